@@ -1,0 +1,21 @@
+"""pagedserve's engine: everything that turns requests into tokens. Knows nothing about HTTP."""
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.llm_engine import ContextLengthError, LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput, SequenceDelta, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.scheduler import QueueFullError
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "ContextLengthError",
+    "EngineConfig",
+    "LLMEngine",
+    "QueueFullError",
+    "RequestOutput",
+    "SamplingParams",
+    "SequenceDelta",
+    "TokenLogprob",
+]

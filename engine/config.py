@@ -1,0 +1,82 @@
+"""EngineConfig: every knob of the engine in one dataclass, filled from YAML and overridden by flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # hub id, local directory or .gguf file; None = the embedded SmolLM2
+    tokenizer: str | None = None  # defaults to the model's own
+    served_model_name: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # cuda when available, else cpu
+    seed: int = 0
+    load_format: str = "auto"  # auto = read the weights; dummy = keep random weights (benchmarks)
+
+    # KV cache
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for K and V of all layers; None = derived (see below)
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    # Scheduler
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings, capped at 8192
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_queue_len: int = 1024
+    max_logprobs: int = 20
+    max_n: int = 16
+
+    # Execution
+    attention_backend: str = "auto"  # auto | triton | torch
+    enforce_eager: bool = False  # disables CUDA graphs
+    num_threads: int | None = None  # torch intra-op threads on CPU
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        checks = [
+            (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size", "a power of two"),
+            (self.max_num_seqs >= 1, "max_num_seqs", ">= 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1"),
+            (self.max_queue_len >= 0, "max_queue_len", ">= 0"),
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]"),
+            (self.dtype in DTYPES, "dtype", f"one of {DTYPES}"),
+            (self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1"),
+            (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "> 0"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of EngineConfig fields")
+        unknown = set(data) - set(cls.field_names())
+        if unknown:
+            raise ValueError(f"{path}: unknown EngineConfig fields {sorted(unknown)}")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

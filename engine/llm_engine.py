@@ -1,0 +1,277 @@
+"""LLMEngine: requests in, per-step token deltas out. Synchronous; the async engine drives it in a thread."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_loader import LoadedModel, kv_cache_budget, load_model
+from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+from engine.outputs import RequestMetrics, SequenceDelta, TokenLogprob
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.tokenizer import Message, apply_chat_template
+
+logger = logging.getLogger(__name__)
+
+
+class ContextLengthError(ValueError):
+    """The prompt does not fit the model's context; carries the numbers for the error message."""
+
+    def __init__(self, num_prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt_tokens} tokens (at least one token must be left to generate)."
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters for metrics and benchmarks."""
+
+    num_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    step_seconds: float = 0.0
+    peak_kv_tokens: int = 0  # tokens held in KV at the fullest step
+    peak_kv_slots: int = 0  # block slots allocated at that step
+    peak_running: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.loaded = loaded or load_model(self.config)
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.tokenizer = self.loaded.tokenizer
+        self.vocab_size = self.loaded.spec.vocab_size
+        num_blocks = self._num_kv_blocks()
+        self.max_model_len = min(self.loaded.max_model_len, num_blocks * self.config.block_size)
+        identity = f"{self.loaded.model_dir}:{self.loaded.dtype}".encode()
+        self.kv = KVCacheManager(
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching, hashlib.sha256(identity).digest()
+        )
+        caches = allocate_kv_caches(
+            self.loaded.spec, num_blocks, self.config.block_size, self.loaded.dtype, self.loaded.device
+        )
+        self.runner = ModelRunner(self.loaded.model, self.loaded.backend, self.kv, caches, self.loaded.device)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            max_queue_len=self.config.max_queue_len,
+        )
+        self.sampler = Sampler()
+        self.stats = EngineStats()
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._children: dict[str, list[str]] = {}  # caller's id -> ids of its n sequences
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
+            num_blocks, self.config.block_size, num_blocks * self.config.block_size, self.max_model_len,
+        )
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        peak = None
+        if self.loaded.device.type == "cuda":
+            peak = self._profile_peak_memory()
+        budget = kv_cache_budget(self.config, self.loaded.device, peak)
+        per_block = kv_bytes_per_block(self.loaded.spec, self.config.block_size, self.loaded.dtype)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes")
+        return num_blocks
+
+    def _profile_peak_memory(self) -> int:
+        """Peak CUDA memory of a forward pass over a full token budget, on a throwaway one-block cache."""
+        from engine.profiling import profile_forward_peak  # CUDA only
+
+        return profile_forward_peak(self.loaded, self.config)
+
+    # ---- requests in -------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        return token_ids
+
+    def encode_chat(self, messages: list[Message]) -> list[int]:
+        text = apply_chat_template(self.tokenizer, messages)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validates and queues a request (its n samples together). Raises ValueError for bad input."""
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.check_token_ids(self.vocab_size)
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
+        if params.n > self.config.max_n:
+            raise ValueError(f"n must be <= {self.config.max_n}, got {params.n}")
+        token_ids = self.encode_prompt(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ContextLengthError(len(token_ids), self.max_model_len)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        children = [
+            Request(
+                request_id if params.n == 1 else f"{request_id}#{i}",
+                token_ids,
+                params,
+                max_tokens=max_tokens,
+                eos_token_ids=self.loaded.eos_token_ids,
+                seed=None if params.seed is None else params.seed + i,
+                arrival_time=arrival_time,
+                parent_id=request_id,
+                index=i,
+            )
+            for i in range(params.n)
+        ]
+        self.scheduler.add_requests(children)
+        self._children[request_id] = [c.request_id for c in children]
+        backend_tokenizer = self.tokenizer.backend_tokenizer
+        for child in children:
+            self._detokenizers[child.request_id] = IncrementalDetokenizer(backend_tokenizer, token_ids, params)
+
+    def abort_request(self, request_id: str) -> list[SequenceDelta]:
+        """Ends every sequence of a request; returns their final deltas (finish_reason "abort")."""
+        return self._finish_group(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._children)
+
+    # ---- one step ----------------------------------------------------------------------------------
+
+    def step(self) -> list[SequenceDelta]:
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return self._errors_for_stuck_requests()
+        try:
+            sampled = self._run_and_sample(out)
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
+            ids = {s.request.parent_id for s in out.scheduled}
+            return [d for rid in ids for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, str(exc))]
+        progressed = self.scheduler.update(out, {rid: tok for rid, (tok, _) in sampled.items()})
+        deltas = [self._delta(r, sampled[r.request_id][1]) for r in progressed]
+        self._record_step(out, start)
+        return deltas
+
+    def _run_and_sample(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
+        logits = self.runner.execute(out.scheduled)
+        sampling = [s.request for s in out.scheduled if s.samples]
+        if not sampling:
+            return {}
+        result = self.sampler(logits, sampling)
+        return {r.request_id: (t, lp) for r, t, lp in zip(sampling, result.token_ids, result.logprobs)}
+
+    def _delta(self, request: Request, logprob: TokenLogprob | None) -> SequenceDelta:
+        if request.times.first_token is None:
+            request.times.first_token = time.monotonic()
+        token = request.output_token_ids[-1]
+        detokenizer = self._detokenizers[request.request_id]
+        text, stop_string = detokenizer.update([token])
+        if stop_string is not None and not request.is_finished:
+            request.stop_reason = stop_string
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif request.is_finished:
+            text += detokenizer.flush()
+        delta = SequenceDelta(
+            request_id=request.parent_id,
+            index=request.index,
+            new_token_ids=[token],
+            new_text=text,
+            new_logprobs=None if logprob is None else [logprob],
+        )
+        if request.is_finished:
+            self._complete(request, delta)
+        return delta
+
+    def _complete(self, request: Request, delta: SequenceDelta, error: str | None = None) -> None:
+        """Fills the finishing fields of `delta` and forgets the sequence."""
+        times = request.times
+        delta.finish_reason = request.status.value
+        delta.stop_reason = request.stop_reason
+        delta.num_prompt_tokens = request.num_prompt_tokens
+        delta.num_cached_tokens = request.num_cached_tokens
+        delta.num_output_tokens = request.num_output_tokens
+        delta.error = error
+        delta.metrics = RequestMetrics(
+            arrival_time=times.arrival,
+            queue_time=None if times.first_scheduled is None else times.first_scheduled - times.arrival,
+            time_to_first_token=None if times.first_token is None else times.first_token - times.arrival,
+            e2e_latency=(times.finished or time.monotonic()) - times.arrival,
+            num_preemptions=request.num_preemptions,
+        )
+        self._detokenizers.pop(request.request_id, None)
+        siblings = self._children.get(request.parent_id)
+        if siblings is not None and request.request_id in siblings:
+            siblings.remove(request.request_id)
+            if not siblings:
+                del self._children[request.parent_id]
+
+    def _finish_group(self, request_id: str, status: RequestStatus, error: str | None = None) -> list[SequenceDelta]:
+        deltas = []
+        for child_id in list(self._children.get(request_id, [])):
+            request = self.scheduler.finish(child_id, status)
+            if request is None:
+                continue
+            delta = SequenceDelta(request_id, request.index, [], self._detokenizers[child_id].flush())
+            self._complete(request, delta, error)
+            deltas.append(delta)
+        return deltas
+
+    def _errors_for_stuck_requests(self) -> list[SequenceDelta]:
+        """Nothing could be scheduled although requests wait: fail the head of the queue, not the engine."""
+        if not self.scheduler.waiting or self.scheduler.running:
+            return []
+        head = self.scheduler.waiting[0]
+        logger.error("request %s cannot fit the KV cache; failing it", head.request_id)
+        return self._finish_group(head.parent_id, RequestStatus.FINISHED_ERROR, "the request does not fit the KV cache")
+
+    def _record_step(self, out: SchedulerOutput, start: float) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        stats.step_seconds += time.perf_counter() - start
+        for item in out.scheduled:
+            if item.samples and item.request.num_output_tokens == 1:
+                stats.prompt_tokens += item.request.num_prompt_tokens
+        stats.generation_tokens += sum(1 for s in out.scheduled if s.samples)
+        stats.peak_running = max(stats.peak_running, self.scheduler.num_running)
+        slots = (self.kv.num_blocks - self.kv.pool.num_free) * self.kv.block_size
+        if slots > stats.peak_kv_slots:
+            stats.peak_kv_slots = slots
+            stats.peak_kv_tokens = sum(r.num_computed_tokens for r in self.scheduler.running)
+
+    # ---- convenience -------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()

@@ -1,0 +1,111 @@
+"""Builds the model, its tokenizer and its KV cache size from an EngineConfig."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PreTrainedTokenizerBase
+
+from engine.config import EngineConfig
+from engine.loader import iter_safetensors, resolve_model_dir
+from engine.models import LlamaForCausalLM, ModelSpec
+from engine.tokenizer import eos_token_ids, load_tokenizer
+from kernels import AttentionBackend, get_backend
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of the embedded model in float32
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass
+class LoadedModel:
+    model_dir: Path
+    hf_config: Any
+    spec: ModelSpec
+    model: LlamaForCausalLM
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+    backend: AttentionBackend
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model_dir = resolve_model_dir(config.model, config.revision)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    spec = ModelSpec.from_hf_config(hf_config)
+    tokenizer = load_tokenizer(config.tokenizer or model_dir)
+    max_model_len = _max_model_len(config, spec)
+    backend = get_backend(config.attention_backend, device)
+    backend.check_supported(dtype, spec.head_dim, config.block_size)
+    with torch.device(device), _default_dtype(dtype):
+        model = LlamaForCausalLM(spec, hf_config, backend, max_positions=max_model_len)
+    if config.load_format == "auto":
+        model.load_weights(iter_safetensors(model_dir))
+    model.to(device=device, dtype=dtype).eval()
+    logger.info("loaded %s (%s) on %s in %s", model_dir, spec.architecture, device, dtype)
+    return LoadedModel(
+        model_dir=model_dir,
+        hf_config=hf_config,
+        spec=spec,
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids(model_dir, hf_config, tokenizer),
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        max_model_len=max_model_len,
+    )
+
+
+def _max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    limit = spec.max_position_embeddings
+    if spec.sliding_window is not None:
+        limit = min(limit, spec.sliding_window)  # we attend to the whole context, so stay inside the window
+    if config.max_model_len is None:
+        return min(limit, MAX_DEFAULT_MODEL_LEN)
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens")
+    return config.max_model_len
+
+
+def kv_cache_budget(config: EngineConfig, device: torch.device, profile_peak_bytes: int | None) -> int:
+    """Bytes for the KV cache: explicit, or what the GPU has left after a profiling pass, or a CPU default."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return max(0, int(total * config.gpu_memory_utilization) - (profile_peak_bytes or 0))
+    return DEFAULT_CPU_KV_CACHE_BYTES

@@ -1,0 +1,115 @@
+"""Packs one step's scheduled tokens into a flat batch, runs the model, returns the logits to sample."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.models import KVCache, LlamaForCausalLM, ModelSpec
+from engine.scheduler import ScheduledRequest
+from kernels import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [R] rows of the last token of each sampling request
+
+
+def allocate_kv_caches(
+    spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[KVCache]:
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(spec.num_layers)
+    ]
+
+
+def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        kv_manager: KVCacheManager,
+        kv_caches: list[KVCache],
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv = kv_manager
+        self.block_size = kv_manager.block_size
+        self.device = device
+        model.bind_kv_caches(kv_caches)
+        self.forward_seconds = 0.0  # time inside the model, for the overhead figures
+        self.num_tokens_processed = 0
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        """Flat inputs for all scheduled requests; vectorised over tokens, a loop only over requests."""
+        requests = [s.request for s in scheduled]
+        num_new = [s.num_new_tokens for s in scheduled]
+        computed = [r.num_computed_tokens for r in requests]
+        token_ids = list(
+            itertools.chain.from_iterable(r.all_token_ids[c : c + n] for r, c, n in zip(requests, computed, num_new))
+        )
+        query_lens = torch.tensor(num_new)
+        query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
+        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), query_lens)
+        positions = torch.arange(len(token_ids)) - (query_start_loc[:-1] - torch.tensor(computed))[seq_of_token]
+        block_tables = self._block_tables([self.kv.block_ids(r.request_id) for r in requests])
+        block_of_token = block_tables[seq_of_token, positions // self.block_size].long()
+        slot_mapping = block_of_token * self.block_size + positions % self.block_size
+        seq_lens = [c + n for c, n in zip(computed, num_new)]
+        logits_indices = query_start_loc[1:][[s.samples for s in scheduled]] - 1
+
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.device, non_blocking=True)
+
+        metadata = AttentionMetadata(
+            block_tables=to_device(block_tables),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32)),
+            query_start_loc=to_device(query_start_loc),
+            slot_mapping=to_device(slot_mapping),
+            block_size=self.block_size,
+            query_lens_host=num_new,
+            seq_lens_host=seq_lens,
+        )
+        return StepInputs(
+            input_ids=to_device(torch.tensor(token_ids)),
+            positions=to_device(positions),
+            metadata=self.backend.prepare(metadata),
+            logits_indices=to_device(logits_indices.long()),
+        )
+
+    @staticmethod
+    def _block_tables(tables: list[list[int]]) -> torch.Tensor:
+        lengths = torch.tensor([len(t) for t in tables])
+        out = torch.zeros(len(tables), max(1, int(lengths.max())), dtype=torch.int32)
+        rows = torch.repeat_interleave(torch.arange(len(tables)), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        cols = torch.arange(int(lengths.sum())) - starts[rows]
+        out[rows, cols] = torch.tensor(list(itertools.chain.from_iterable(tables)), dtype=torch.int32)
+        return out
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """Logits [R, vocab] (float32, on the host) for the scheduled requests that sample this step."""
+        inputs = self.prepare(scheduled)
+        start = time.perf_counter()
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        self.forward_seconds += time.perf_counter() - start
+        self.num_tokens_processed += len(inputs.input_ids)
+        return logits

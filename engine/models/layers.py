@@ -1,0 +1,80 @@
+"""Building blocks of the Llama family: RMSNorm, rotary embedding, gated MLP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, exactly as transformers does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_positions, indexed by each token's position."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope_parameters: dict[str, Any], hf_config: Any) -> None:
+        super().__init__()
+        inv_freq, attention_scaling = _inverse_frequencies(head_dim, rope_parameters, hf_config)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [T, H, D], key [T, KVH, D] rotated by their positions [T]."""
+        cos = self.cos[positions].unsqueeze(1).to(query.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(query.dtype)
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _inverse_frequencies(
+    head_dim: int, rope_parameters: dict[str, Any], hf_config: Any
+) -> tuple[torch.Tensor, float]:
+    rope_type = rope_parameters.get("rope_type", "default")
+    if rope_type == "default":
+        theta = rope_parameters.get("rope_theta", 10000.0)
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        return 1.0 / (theta**exponents), 1.0
+    if rope_type == "dynamic":
+        raise ValueError("dynamic RoPE scaling depends on the sequence length and is not supported")
+    # Scaled variants (llama3, linear, yarn, longrope): transformers owns the formulas.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU with gate and up projections fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

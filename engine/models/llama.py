@@ -1,0 +1,136 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+
+Inputs are one flat batch of tokens from many sequences; attention goes through the kernel backend, which
+writes each layer's new keys/values into its cache blocks and attends over the blocks of each sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from engine.models.spec import ModelSpec
+from kernels import AttentionBackend, AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        assert self.kv_cache is not None, "bind_kv_caches() before the first forward"
+        k_cache, v_cache = self.kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = self.backend.paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = LlamaAttention(spec, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, hf_config: Any, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_parameters, hf_config)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, rotary, backend) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def bind_kv_caches(self, caches: list[KVCache]) -> None:
+        for layer, cache in zip(self.layers, caches, strict=True):
+            layer.self_attn.kv_cache = cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of the flat batch input_ids [T] at positions [T]."""
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads transformers-named tensors, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        rows_loaded = dict.fromkeys(params, 0)
+        for hf_name, tensor in weights:
+            target = _map_weight_name(hf_name, self.spec)
+            if target is None:
+                continue
+            name, rows = target
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.spec.architecture}")
+            destination = params[name].data if rows is None else params[name].data[rows[0] : rows[1]]
+            if destination.shape != tensor.shape:
+                raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(destination.shape)}")
+            destination.copy_(tensor)
+            rows_loaded[name] += destination.shape[0]
+        missing = sorted(name for name, p in params.items() if rows_loaded[name] != p.shape[0])
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _fused_rows(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, int]]]:
+    q, kv, inter = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    return {
+        "self_attn.q_proj": ("self_attn.qkv_proj", (0, q)),
+        "self_attn.k_proj": ("self_attn.qkv_proj", (q, q + kv)),
+        "self_attn.v_proj": ("self_attn.qkv_proj", (q + kv, q + 2 * kv)),
+        "mlp.gate_proj": ("mlp.gate_up_proj", (0, inter)),
+        "mlp.up_proj": ("mlp.gate_up_proj", (inter, 2 * inter)),
+    }
+
+
+def _map_weight_name(hf_name: str, spec: ModelSpec) -> tuple[str, tuple[int, int] | None] | None:
+    """transformers' tensor name -> (our parameter, row range inside a fused parameter or None)."""
+    if "rotary_emb" in hf_name:
+        return None
+    if hf_name == "lm_head.weight" and spec.tie_word_embeddings:
+        return None
+    name = hf_name.removeprefix("model.")
+    if not name.startswith("layers."):
+        return name, None
+    _, index, rest = name.split(".", 2)
+    module, _, param = rest.rpartition(".")
+    fused = _fused_rows(spec).get(module)
+    if fused is None:
+        return name, None
+    return f"layers.{index}.{fused[0]}.{param}", fused[1]

@@ -1,0 +1,41 @@
+"""Tokenizer loading and chat templates (transformers does the work)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+Message = dict[str, Any]
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if not getattr(tokenizer, "is_fast", False) or getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise ValueError(f"{path}: pagedserve needs a fast (tokenizers) tokenizer")
+    return tokenizer
+
+
+def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every token that ends generation: from the config, generation_config.json and the tokenizer."""
+    ids: set[int] = set()
+    candidates: list[Any] = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.exists():
+        candidates.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, messages: list[Message], add_generation_prompt: bool = True
+) -> str:
+    if not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template; use the completions API instead")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
