@@ -48,7 +48,11 @@ class EngineConfig:
 
     def validate(self) -> None:
         checks = [
-            (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size", "a power of two"),
+            (
+                self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+                "block_size",
+                "a power of two",
+            ),
             (self.max_num_seqs >= 1, "max_num_seqs", ">= 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1"),
             (self.max_queue_len >= 0, "max_queue_len", ">= 0"),

@@ -17,9 +17,7 @@ def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...], extra_key:
 
 
 class KVCacheManager:
-    def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, extra_key: bytes = b""
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, extra_key: bytes = b"") -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.extra_key = extra_key  # anything besides the tokens that changes the KV (the model)

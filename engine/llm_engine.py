@@ -12,7 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_loader import LoadedModel, kv_cache_budget, load_model
+from engine.model_loader import LoadedModel, kv_cache_budget, load_model, resolve_max_model_len
 from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
 from engine.outputs import RequestMetrics, SequenceDelta, TokenLogprob
 from engine.request import Request, RequestStatus
@@ -58,10 +58,16 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = self.loaded.spec.vocab_size
         num_blocks = self._num_kv_blocks()
-        self.max_model_len = min(self.loaded.max_model_len, num_blocks * self.config.block_size)
+        # A request must always fit the cache alone, or preemption could cycle forever.
+        self.max_model_len = min(
+            resolve_max_model_len(self.config, self.loaded.spec), num_blocks * self.config.block_size
+        )
         identity = f"{self.loaded.model_dir}:{self.loaded.dtype}".encode()
         self.kv = KVCacheManager(
-            num_blocks, self.config.block_size, self.config.enable_prefix_caching, hashlib.sha256(identity).digest()
+            num_blocks,
+            self.config.block_size,
+            self.config.enable_prefix_caching,
+            hashlib.sha256(identity).digest(),
         )
         caches = allocate_kv_caches(
             self.loaded.spec, num_blocks, self.config.block_size, self.loaded.dtype, self.loaded.device
@@ -80,7 +86,10 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}  # caller's id -> ids of its n sequences
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
-            num_blocks, self.config.block_size, num_blocks * self.config.block_size, self.max_model_len,
+            num_blocks,
+            self.config.block_size,
+            num_blocks * self.config.block_size,
+            self.max_model_len,
         )
 
     def _num_kv_blocks(self) -> int:

@@ -35,7 +35,6 @@ class LoadedModel:
     backend: AttentionBackend
     device: torch.device
     dtype: torch.dtype
-    max_model_len: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,11 +66,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     hf_config = AutoConfig.from_pretrained(model_dir)
     spec = ModelSpec.from_hf_config(hf_config)
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
-    max_model_len = _max_model_len(config, spec)
     backend = get_backend(config.attention_backend, device)
     backend.check_supported(dtype, spec.head_dim, config.block_size)
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(spec, hf_config, backend, max_positions=max_model_len)
+        model = LlamaForCausalLM(spec, hf_config, backend, max_positions=model_len_limit(spec))
     if config.load_format == "auto":
         model.load_weights(iter_safetensors(model_dir))
     model.to(device=device, dtype=dtype).eval()
@@ -86,14 +84,18 @@ def load_model(config: EngineConfig) -> LoadedModel:
         backend=backend,
         device=device,
         dtype=dtype,
-        max_model_len=max_model_len,
     )
 
 
-def _max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+def model_len_limit(spec: ModelSpec) -> int:
     limit = spec.max_position_embeddings
     if spec.sliding_window is not None:
         limit = min(limit, spec.sliding_window)  # we attend to the whole context, so stay inside the window
+    return limit
+
+
+def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    limit = model_len_limit(spec)
     if config.max_model_len is None:
         return min(limit, MAX_DEFAULT_MODEL_LEN)
     if config.max_model_len > limit:

@@ -60,7 +60,11 @@ class CompletionOutput:
         if delta.new_logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.new_logprobs
         if delta.finished:
-            self.finish_reason, self.stop_reason, self.metrics = delta.finish_reason, delta.stop_reason, delta.metrics
+            self.finish_reason, self.stop_reason, self.metrics = (
+                delta.finish_reason,
+                delta.stop_reason,
+                delta.metrics,
+            )
 
 
 @dataclass

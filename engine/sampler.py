@@ -22,6 +22,7 @@ class SamplerOutput:
 
 
 class Sampler:
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = None
@@ -150,7 +151,7 @@ def _gather_logprobs(
 ) -> list[TokenLogprob | None]:
     max_top = max(r.params.logprobs or 0 for r in requests)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-    top_values, top_ids = (logprobs.topk(max_top, dim=-1) if max_top else (logprobs[:, :0], tokens[:, None][:, :0]))
+    top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (logprobs[:, :0], tokens[:, None][:, :0])
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     token_list = tokens.tolist()
     result: list[TokenLogprob | None] = []

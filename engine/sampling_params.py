@@ -45,7 +45,12 @@ class SamplingParams:
         _check("min_tokens", self.min_tokens, self.min_tokens >= 0, ">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        _check("temperature", self.temperature, _finite(self.temperature) and 0 <= self.temperature <= 2, "in [0, 2]")
+        _check(
+            "temperature",
+            self.temperature,
+            _finite(self.temperature) and 0 <= self.temperature <= 2,
+            "in [0, 2]",
+        )
         _check("top_p", self.top_p, _finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
         _check("top_k", self.top_k, self.top_k >= 0, "-1, 0 (off) or a positive integer")
         _check("min_p", self.min_p, _finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]")
@@ -58,7 +63,12 @@ class SamplingParams:
             _check("logit_bias", bias, _finite(bias) and -100 <= bias <= 100, "values in [-100, 100]")
             _check("logit_bias", token, token >= 0, "keys that are token ids >= 0")
         if self.logprobs is not None:
-            _check("logprobs", self.logprobs, 0 <= self.logprobs <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
+            _check(
+                "logprobs",
+                self.logprobs,
+                0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                f"in [0, {MAX_TOP_LOGPROBS}]",
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must hold non-empty strings")
         _check("stop_token_ids", self.stop_token_ids, all(t >= 0 for t in self.stop_token_ids), "token ids >= 0")

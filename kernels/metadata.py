@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,6 @@ class AttentionMetadata:
             query_start_loc=query_start_loc,
             slot_mapping=slot_mapping,
             block_size=block_size,
-            query_lens_host=[b - a for a, b in zip(starts, starts[1:])],
+            query_lens_host=[b - a for a, b in itertools.pairwise(starts)],
             seq_lens_host=seq_lens.tolist(),
         )

@@ -24,9 +24,7 @@ def write_kv_reference(
         v_cache[block, offset] = value[token]
 
 
-def gather_sequence_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> torch.Tensor:
+def gather_sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first `seq_len` cached tokens of one sequence: [seq_len, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
@@ -34,9 +32,7 @@ def gather_sequence_kv(
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
-def dense_causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-) -> torch.Tensor:
+def dense_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """query [q, H, D] are the last q of the key/value positions [k, KVH, D]; returns [q, H, D]."""
     num_queries, num_heads, _ = query.shape
     num_keys, num_kv_heads, _ = key.shape

@@ -19,7 +19,13 @@ def test_reference_equals_dense_attention_on_contiguous_kv() -> None:
     case = make_paged_case([37], [37], num_heads=6, num_kv_heads=2)
     write_kv_reference(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
     out = paged_attention_reference(
-        case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc, case.scale
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+        case.scale,
     )
     expected = torch.nn.functional.scaled_dot_product_attention(
         case.query.transpose(0, 1),

@@ -47,9 +47,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _inverse_frequencies(
-    head_dim: int, rope_parameters: dict[str, Any], hf_config: Any
-) -> tuple[torch.Tensor, float]:
+def _inverse_frequencies(head_dim: int, rope_parameters: dict[str, Any], hf_config: Any) -> tuple[torch.Tensor, float]:
     rope_type = rope_parameters.get("rope_type", "default")
     if rope_type == "default":
         theta = rope_parameters.get("rope_theta", 10000.0)

@@ -1,0 +1,361 @@
+"""AsyncEngine: runs an LLMEngine on its own thread and streams its deltas into asyncio.
+
+Once started, only the engine thread touches the LLMEngine. Callers reach it through a thread-safe inbox
+(adds, aborts) and read each request's deltas from an asyncio queue that the thread fills with
+`call_soon_threadsafe`. The exceptions are read-only: the tokenizer (encode_prompt, encode_chat) and the
+published `EngineSnapshot`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader import LoadedModel
+from engine.outputs import SequenceDelta
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Message
+
+logger = logging.getLogger(__name__)
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine takes no requests: it is still loading, it was shut down, or its thread died."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Counters published by the engine thread after every iteration, for metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks referenced by requests (idle cached blocks excluded)
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0  # tokens
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class EngineObserver:
+    """Hooks run on the engine thread after each step; keep them cheap. The server's metrics use them."""
+
+    def on_step(self, seconds: float, num_tokens: int) -> None:
+        """One LLMEngine.step took `seconds` and computed `num_tokens` tokens."""
+
+    def on_deltas(self, deltas: list[SequenceDelta], now: float) -> None:
+        """Deltas just handed to their requests (from a step or an abort); `now` is time.monotonic()."""
+
+
+@dataclass
+class _Sink:
+    """Where one request's deltas go: an asyncio queue living on `loop`."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[SequenceDelta | BaseException]
+    num_unfinished: int  # sequences (n) still to finish
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float
+    sink: _Sink
+    reply: concurrent.futures.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Stop
+
+
+class RequestStream(AsyncIterator[SequenceDelta]):
+    """The deltas of one request until all its n sequences finish.
+
+    Closing it early, or cancelling the task that awaits it, aborts the request (the client went away).
+    """
+
+    def __init__(
+        self, request_id: str, num_sequences: int, deltas: asyncio.Queue, abort: Callable[[str], None]
+    ) -> None:
+        self.request_id = request_id
+        self._num_unfinished = num_sequences
+        self._deltas = deltas
+        self._abort = abort
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> SequenceDelta:
+        if not self._num_unfinished:
+            raise StopAsyncIteration
+        try:
+            item = await self._deltas.get()
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self._num_unfinished = 0
+            raise item
+        if item.finished:
+            self._num_unfinished -= 1
+        return item
+
+    def close(self) -> None:
+        """Aborts the request unless it has finished; safe to call more than once."""
+        if self._num_unfinished:
+            self._num_unfinished = 0
+            self._abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+class AsyncEngine:
+    def __init__(self, make_engine: Callable[[], LLMEngine]) -> None:
+        """`make_engine` runs on the engine thread, so a server can listen while the model loads."""
+        self._make_engine = make_engine
+        self._engine: LLMEngine | None = None
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._observers: tuple[EngineObserver, ...] = ()
+        self._snapshot = EngineSnapshot()
+        self._lock = threading.Lock()  # orders submissions against stop and death
+        self._accepting = False
+        self._stopped = False
+        self._settled = threading.Event()  # set once loading succeeded or failed
+        self.error: BaseException | None = None  # what killed the engine thread
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> AsyncEngine:
+        return cls(lambda: LLMEngine(config, loaded))
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Blocks until the engine has loaded (True) or failed to (False)."""
+        self._settled.wait(timeout)
+        return self.is_ready
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops taking requests, aborts those in flight and joins the engine thread."""
+        with self._lock:
+            self._accepting = False
+            self._stopped = True
+            self._inbox.put(_Stop())
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_ready(self) -> bool:
+        return self._accepting
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.error is None
+
+    # ---- read-only views ---------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The loaded LLMEngine, for its read-only parts (tokenizer, config, limits)."""
+        if self._engine is None:
+            raise EngineUnavailableError(self.unavailable_reason())
+        return self._engine
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.engine.encode_prompt(prompt)
+
+    def encode_chat(self, messages: list[Message]) -> list[int]:
+        return self.engine.encode_chat(messages)
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        self._observers = (*self._observers, observer)  # swapped whole: the engine thread reads it unlocked
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[SequenceDelta]:
+        """Queues a request and returns its stream of deltas.
+
+        Bad input (ValueError, ContextLengthError) and a full queue (QueueFullError) raise here, before
+        any delta exists, so a server can still answer with an error status.
+        """
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), params.n)
+        reply: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._submit(_Add(request_id, prompt, params, time.monotonic(), sink, reply))
+        try:
+            await asyncio.wrap_future(reply)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add may still go through after we stop waiting for it
+            raise
+        return RequestStream(request_id, params.n, sink.queue, self.abort)
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request; its stream gets final deltas with finish_reason "abort". Thread-safe."""
+        self._inbox.put(_Abort(request_id))
+
+    def _submit(self, command: _Add) -> None:
+        with self._lock:
+            if not self._accepting:
+                raise EngineUnavailableError(self.unavailable_reason())
+            self._inbox.put(command)
+
+    def unavailable_reason(self) -> str:
+        if self.error is not None:
+            return f"the engine failed: {self.error!r}"
+        if self._stopped:
+            return "the engine is shutting down"
+        return "the engine is still loading"
+
+    # ---- the engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._engine = self._make_engine()
+            with self._lock:
+                self._accepting = not self._stopped
+            self._settled.set()
+            while self._serve_once(self._engine):
+                pass
+        except BaseException as exc:  # whatever escapes the loop kills the engine: fail loudly, not silently
+            logger.exception("the engine thread died")
+            self._die(exc)
+
+    def _serve_once(self, engine: LLMEngine) -> bool:
+        """Runs the inbox's commands, then one step when there is work; blocks on the inbox when idle."""
+        for command in self._take_commands(block=not engine.has_unfinished_requests()):
+            if isinstance(command, _Stop):
+                self._abort_all(engine)
+                return False
+            self._execute(engine, command)
+        if engine.has_unfinished_requests():
+            self._step(engine)
+        self._snapshot = _snapshot_of(engine)
+        return True
+
+    def _take_commands(self, block: bool) -> list[_Command]:
+        commands = [self._inbox.get()] if block else []
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _execute(self, engine: LLMEngine, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self._deliver(engine.abort_request(command.request_id))
+            return
+        if not command.reply.set_running_or_notify_cancel():
+            return  # the caller stopped waiting before we got here: never add it
+        try:
+            engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+        except Exception as exc:  # bad input or a full queue: the caller's error, not the engine's
+            command.reply.set_exception(exc)
+            return
+        self._sinks[command.request_id] = command.sink
+        command.reply.set_result(None)
+
+    def _step(self, engine: LLMEngine) -> None:
+        tokens_before = engine.runner.num_tokens_processed
+        start = time.perf_counter()
+        deltas = engine.step()
+        seconds = time.perf_counter() - start
+        self._deliver(deltas)
+        num_tokens = engine.runner.num_tokens_processed - tokens_before
+        self._notify(lambda observer: observer.on_step(seconds, num_tokens))
+
+    def _deliver(self, deltas: list[SequenceDelta]) -> None:
+        """Hands deltas to their queues: one wake-up per event loop, however many deltas."""
+        if not deltas:
+            return
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, SequenceDelta]]]
+        batches = defaultdict(list)
+        for delta in deltas:
+            sink = self._sinks.get(delta.request_id)
+            if sink is None:
+                continue
+            batches[sink.loop].append((sink.queue, delta))
+            if delta.finished:
+                sink.num_unfinished -= 1
+                if not sink.num_unfinished:
+                    del self._sinks[delta.request_id]
+        for loop, items in batches.items():
+            _call_soon(loop, _put_all, items)
+        now = time.monotonic()
+        self._notify(lambda observer: observer.on_deltas(deltas, now))
+
+    def _notify(self, call: Callable[[EngineObserver], None]) -> None:
+        for observer in self._observers:
+            try:
+                call(observer)
+            except Exception:  # a broken observer must not take the engine down
+                logger.exception("engine observer %r failed", observer)
+
+    def _abort_all(self, engine: LLMEngine) -> None:
+        for request_id in list(self._sinks):
+            self._deliver(engine.abort_request(request_id))
+        self._snapshot = _snapshot_of(engine)
+
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
+            self._accepting = False
+            self.error = exc
+            pending = self._take_commands(block=False)
+        failure = EngineUnavailableError(self.unavailable_reason())
+        for command in pending:
+            if isinstance(command, _Add) and command.reply.set_running_or_notify_cancel():
+                command.reply.set_exception(failure)
+        for sink in self._sinks.values():
+            _call_soon(sink.loop, sink.queue.put_nowait, failure)
+        self._sinks.clear()
+        self._settled.set()
+
+
+def _snapshot_of(engine: LLMEngine) -> EngineSnapshot:
+    return EngineSnapshot(
+        num_running=engine.scheduler.num_running,
+        num_waiting=engine.scheduler.num_waiting,
+        kv_cache_usage=engine.kv.usage(),
+        prefix_cache_queries=engine.kv.prefix_queries,
+        prefix_cache_hits=engine.kv.prefix_hits,
+        num_preemptions=engine.scheduler.num_preemptions,
+        num_steps=engine.stats.num_steps,
+    )
+
+
+def _put_all(items: Iterable[tuple[asyncio.Queue, SequenceDelta]]) -> None:
+    for deltas, delta in items:
+        deltas.put_nowait(delta)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args: object) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is left to read these deltas
+        loop.call_soon_threadsafe(callback, *args)
