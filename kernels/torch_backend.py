@@ -64,6 +64,8 @@ class TorchBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         plan: _TorchPlan = metadata.plan if metadata.plan is not None else _plan(metadata)
+        if not plan.prefills and plan.decode_tokens is not None and len(plan.decode_tokens) == len(query):
+            return _decode_attention(query, k_cache, v_cache, plan, scale)  # decode-only: no scatter
         out = torch.empty_like(query)
         if plan.decode_tokens is not None:
             out[plan.decode_tokens] = _decode_attention(query[plan.decode_tokens], k_cache, v_cache, plan, scale)
@@ -108,9 +110,9 @@ def _decode_attention(
 ) -> torch.Tensor:
     """query [B, H, D] -> [B, H, D]: one new token per sequence over its padded, masked context."""
     assert plan.decode_blocks is not None
-    # [B, blocks, block_size, KVH, D] -> [B, KVH, L, D]
-    key = k_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)
-    value = v_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)
+    num_seqs = plan.decode_blocks.shape[0]
+    key = _gather(k_cache, plan.decode_blocks.flatten()).view(num_seqs, -1, *k_cache.shape[2:]).transpose(1, 2)
+    value = _gather(v_cache, plan.decode_blocks.flatten()).view(num_seqs, -1, *v_cache.shape[2:]).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2), key, value, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
     )
@@ -121,8 +123,8 @@ def _prefill_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, piece: _PrefillSlice, scale: float
 ) -> torch.Tensor:
     """query [q, H, D], the last q positions of a sequence of piece.seq_len tokens -> [q, H, D]."""
-    key = k_cache[piece.blocks].flatten(0, 1)[: piece.seq_len].transpose(0, 1)
-    value = v_cache[piece.blocks].flatten(0, 1)[: piece.seq_len].transpose(0, 1)
+    key = _gather(k_cache, piece.blocks)[: piece.seq_len].transpose(0, 1)
+    value = _gather(v_cache, piece.blocks)[: piece.seq_len].transpose(0, 1)
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1),
         key,
@@ -133,3 +135,11 @@ def _prefill_attention(
         enable_gqa=True,
     )
     return out.transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The tokens of `blocks`, in order: [len(blocks) * block_size, KVH, D].
+
+    index_select copies whole blocks and is several times faster on CPU than advanced indexing.
+    """
+    return cache.index_select(0, blocks).flatten(0, 1)
