@@ -251,15 +251,20 @@ class AsyncEngine:
 
     def _serve_once(self, engine: LLMEngine) -> bool:
         """Runs the inbox's commands, then one step when there is work; blocks on the inbox when idle."""
+        deltas: list[SequenceDelta] = []
+        stopping = False
         for command in self._take_commands(block=not engine.has_unfinished_requests()):
             if isinstance(command, _Stop):
-                self._abort_all(engine)
-                return False
-            self._execute(engine, command)
-        if engine.has_unfinished_requests():
-            self._step(engine)
+                stopping = True
+                deltas += [d for request_id in list(self._sinks) for d in engine.abort_request(request_id)]
+                break
+            deltas += self._execute(engine, command)
+        if not stopping and engine.has_unfinished_requests():
+            deltas += self._step(engine)
+        # Published before the deltas go out: whoever sees a delta sees this state of the engine or a newer one.
         self._snapshot = _snapshot_of(engine)
-        return True
+        self._deliver(deltas)
+        return not stopping
 
     def _take_commands(self, block: bool) -> list[_Command]:
         commands = [self._inbox.get()] if block else []
@@ -269,28 +274,29 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _execute(self, engine: LLMEngine, command: _Add | _Abort) -> None:
+    def _execute(self, engine: LLMEngine, command: _Add | _Abort) -> list[SequenceDelta]:
+        """Returns the deltas it produced (an abort's final ones)."""
         if isinstance(command, _Abort):
-            self._deliver(engine.abort_request(command.request_id))
-            return
+            return engine.abort_request(command.request_id)
         if not command.reply.set_running_or_notify_cancel():
-            return  # the caller stopped waiting before we got here: never add it
+            return []  # the caller stopped waiting before we got here: never add it
         try:
             engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
         except Exception as exc:  # bad input or a full queue: the caller's error, not the engine's
             command.reply.set_exception(exc)
-            return
+            return []
         self._sinks[command.request_id] = command.sink
         command.reply.set_result(None)
+        return []
 
-    def _step(self, engine: LLMEngine) -> None:
+    def _step(self, engine: LLMEngine) -> list[SequenceDelta]:
         tokens_before = engine.runner.num_tokens_processed
         start = time.perf_counter()
         deltas = engine.step()
         seconds = time.perf_counter() - start
-        self._deliver(deltas)
         num_tokens = engine.runner.num_tokens_processed - tokens_before
         self._notify(lambda observer: observer.on_step(seconds, num_tokens))
+        return deltas
 
     def _deliver(self, deltas: list[SequenceDelta]) -> None:
         """Hands deltas to their queues: one wake-up per event loop, however many deltas."""
@@ -318,11 +324,6 @@ class AsyncEngine:
                 call(observer)
             except Exception:  # a broken observer must not take the engine down
                 logger.exception("engine observer %r failed", observer)
-
-    def _abort_all(self, engine: LLMEngine) -> None:
-        for request_id in list(self._sinks):
-            self._deliver(engine.abort_request(request_id))
-        self._snapshot = _snapshot_of(engine)
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:

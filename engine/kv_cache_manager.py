@@ -24,6 +24,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_registered: dict[str, int] = {}
+        self.pending_copies: list[tuple[int, int]] = []
         # Prefix-cache counters, in tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -62,22 +63,50 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None) -> bool:
-        """Makes room for num_new_tokens more tokens (after `computed` cache hits); False if it cannot."""
+        """Makes room for num_new_tokens more tokens (after `computed` cache hits); False if it cannot.
+
+        A block shared with a sibling sequence (n > 1) that is about to be written is copied first.
+        """
         computed = computed or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        first_new = request.num_computed_tokens + len(computed) * self.block_size
+        num_tokens = first_new + num_new_tokens
         num_new_blocks = self.blocks_needed(num_tokens) - len(blocks) - len(computed)
+        write_index = first_new // self.block_size
+        copy_on_write = write_index < len(blocks) and blocks[write_index].ref_cnt > 1
         reclaimed = sum(1 for b in computed if b.ref_cnt == 0)  # hits that sit in the free queue
-        if num_new_blocks > self.pool.num_free - reclaimed:
+        if num_new_blocks + copy_on_write > self.pool.num_free - reclaimed:
             if not blocks:
                 del self.req_blocks[request.request_id]
             return False
+        if copy_on_write:
+            self._copy_on_write(blocks, write_index)
         self.pool.take_cached(computed)
         blocks.extend(computed)
         if num_new_blocks > 0:
             blocks.extend(self.pool.allocate(num_new_blocks))
         self._register_full_blocks(request, blocks, num_tokens)
         return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Gives `child` the parent's blocks by reference (parallel samples of one prompt)."""
+        blocks = list(self.req_blocks[parent.request_id])
+        self.pool.take_cached(blocks)
+        self.req_blocks[child.request_id] = blocks
+        self._num_registered[child.request_id] = self._num_registered.get(parent.request_id, 0)
+        child.block_hashes = list(parent.block_hashes)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) block copies the runner must do before this step's forward."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def _copy_on_write(self, blocks: list[KVBlock], index: int) -> None:
+        shared = blocks[index]
+        (private,) = self.pool.allocate(1)
+        self.pending_copies.append((shared.block_id, private.block_id))
+        self.pool.free([shared])
+        blocks[index] = private
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])

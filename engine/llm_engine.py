@@ -144,6 +144,11 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ContextLengthError(len(token_ids), self.max_model_len)
         room = self.max_model_len - len(token_ids)
+        if params.min_tokens > room:
+            raise ValueError(
+                f"min_tokens ({params.min_tokens}) does not fit: the prompt leaves room for {room} tokens "
+                f"of this model's {self.max_model_len}-token context (and KV cache)"
+            )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         children = [
             Request(
@@ -195,10 +200,17 @@ class LLMEngine:
         return deltas
 
     def _run_and_sample(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
-        logits = self.runner.execute(out.scheduled)
+        logits = self.runner.execute(out.scheduled, self.kv.take_pending_copies())
         sampling = [s.request for s in out.scheduled if s.samples]
+        rows = list(range(len(sampling)))
+        for row, request in enumerate(list(sampling)):
+            siblings = self.scheduler.pending_forks(request)  # parallel samples draw from the same logits
+            sampling.extend(siblings)
+            rows.extend([row] * len(siblings))
         if not sampling:
             return {}
+        if len(rows) > logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
         result = self.sampler(logits, sampling)
         return {r.request_id: (t, lp) for r, t, lp in zip(sampling, result.token_ids, result.logprobs)}
 

@@ -51,6 +51,7 @@ class ModelRunner:
         self.kv = kv_manager
         self.block_size = kv_manager.block_size
         self.device = device
+        self.kv_caches = kv_caches
         model.bind_kv_caches(kv_caches)
         self.forward_seconds = 0.0  # time inside the model, for the overhead figures
         self.num_tokens_processed = 0
@@ -103,9 +104,19 @@ class ModelRunner:
         out[rows, cols] = torch.tensor(list(itertools.chain.from_iterable(tables)), dtype=torch.int32)
         return out
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write of blocks shared by parallel samples, in every layer's cache."""
+        source = torch.tensor([s for s, _ in copies], device=self.device)
+        destination = torch.tensor([d for _, d in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, destination, k_cache.index_select(0, source))
+            v_cache.index_copy_(0, destination, v_cache.index_select(0, source))
+
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """Logits [R, vocab] (float32, on the host) for the scheduled requests that sample this step."""
+    def execute(self, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """Logits [R, vocab] (float32) for the scheduled requests that sample this step."""
+        if copies:
+            self.copy_blocks(copies)
         inputs = self.prepare(scheduled)
         start = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
@@ -64,6 +63,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # n > 1: the first sample computes the prompt; its siblings wait here and fork from it at its first token.
+        self.forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
 
     @property
@@ -88,7 +89,10 @@ class Scheduler:
             self._check_fits(request)
         for request in requests:
             self.requests[request.request_id] = request
-            self.waiting.append(request)
+        leader, siblings = requests[0], requests[1:]
+        self.waiting.append(leader)
+        if siblings:
+            self.forks[leader.request_id] = siblings
 
     def _check_fits(self, request: Request) -> None:
         if request.num_prompt_tokens >= self.max_model_len:
@@ -135,8 +139,10 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if len(self.running) + 1 + len(self.forks.get(request.request_id, ())) > self.max_num_seqs:
+                break
             hits, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
@@ -153,6 +159,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advances computed tokens, appends sampled tokens, finishes requests that hit a token-level stop.
 
+        `sampled` also holds the first tokens of siblings that fork this step (see `pending_forks`).
         Returns the requests that received a token this step.
         """
         progressed = []
@@ -162,12 +169,37 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None or request.is_finished:
                 continue
+            forking = bool(self.pending_forks(request))
             request.append_output_token(token)
             progressed.append(request)
+            if forking:  # before the leader may finish and free the blocks its siblings share
+                progressed.extend(self.fork(request, sampled))
             status = self._token_stop(request, token)
             if status is not None:
                 self.finish(request.request_id, status)
         return progressed
+
+    def pending_forks(self, request: Request) -> list[Request]:
+        """The siblings that fork from `request` when it samples its first token this step."""
+        if request.num_output_tokens > 0:
+            return []
+        return self.forks.get(request.request_id, [])
+
+    def fork(self, leader: Request, token_ids: dict[str, int]) -> list[Request]:
+        """Starts the leader's siblings on its computed prompt blocks, each with its own first token."""
+        siblings = self.forks.pop(leader.request_id, [])
+        now = time.monotonic()
+        for child in siblings:
+            self.kv.fork(leader, child)
+            child.num_computed_tokens = child.num_prompt_tokens
+            child.status = RequestStatus.RUNNING
+            child.times.first_scheduled = leader.times.first_scheduled or now
+            self.running.append(child)
+            child.append_output_token(token_ids[child.request_id])
+            status = self._token_stop(child, token_ids[child.request_id])
+            if status is not None:
+                self.finish(child.request_id, status)
+        return siblings
 
     def _token_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
@@ -191,10 +223,22 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self._forget_fork(request)
         request.status = status
         request.times.finished = time.monotonic()
         self.kv.free(request)
         return request
 
-    def finish_many(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        return [r for r in (self.finish(rid, status) for rid in request_ids) if r is not None]
+    def _forget_fork(self, request: Request) -> None:
+        """An ending leader hands its unforked siblings to the queue; an ending sibling leaves its group."""
+        siblings = self.forks.pop(request.request_id, None)
+        if siblings:
+            self.waiting.appendleft(siblings[0])
+            if siblings[1:]:
+                self.forks[siblings[0].request_id] = siblings[1:]
+        for leader_id, group in self.forks.items():
+            if request in group:
+                group.remove(request)
+                if not group:
+                    del self.forks[leader_id]
+                break
