@@ -22,9 +22,9 @@ import transformers
 if not __package__:  # run as a script: import the project, not benchmarks/kernels.py as `kernels`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.workloads import chat_prompts  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.loader import embedded_gguf_path, materialize_gguf  # noqa: E402
+from benchmarks.workloads import chat_prompts
+from engine import LLM, SamplingParams
+from engine.loader import embedded_gguf_path, materialize_gguf
 
 
 @dataclass

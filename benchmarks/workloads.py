@@ -37,3 +37,18 @@ def _templated(tokenizer, content: str) -> list[int]:
         [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
     )
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def sharegpt_like_lengths(count: int, max_model_len: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(prompt, output) token counts from long-tailed log-normal laws shaped like ShareGPT's.
+
+    ShareGPT conversations have median prompts near 100 tokens and outputs near 200, with tails into the
+    thousands; each pair is clipped so that it fits max_model_len.
+    """
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(count):
+        prompt = max(4, min(int(rng.lognormvariate(4.6, 1.0)), max_model_len // 2))
+        output = max(4, min(int(rng.lognormvariate(5.2, 0.9)), max_model_len - prompt))
+        pairs.append((prompt, output))
+    return pairs
