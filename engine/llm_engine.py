@@ -166,9 +166,10 @@ class LLMEngine:
         ]
         self.scheduler.add_requests(children)
         self._children[request_id] = [c.request_id for c in children]
-        backend_tokenizer = self.tokenizer.backend_tokenizer
-        for child in children:
-            self._detokenizers[child.request_id] = IncrementalDetokenizer(backend_tokenizer, token_ids, params)
+        if params.detokenize:
+            backend_tokenizer = self.tokenizer.backend_tokenizer
+            for child in children:
+                self._detokenizers[child.request_id] = IncrementalDetokenizer(backend_tokenizer, token_ids, params)
 
     def abort_request(self, request_id: str) -> list[SequenceDelta]:
         """Ends every sequence of a request; returns their final deltas (finish_reason "abort")."""
@@ -218,12 +219,14 @@ class LLMEngine:
         if request.times.first_token is None:
             request.times.first_token = time.monotonic()
         token = request.output_token_ids[-1]
-        detokenizer = self._detokenizers[request.request_id]
-        text, stop_string = detokenizer.update([token])
+        text, stop_string = "", None
+        detokenizer = self._detokenizers.get(request.request_id)
+        if detokenizer is not None:
+            text, stop_string = detokenizer.update([token])
         if stop_string is not None and not request.is_finished:
             request.stop_reason = stop_string
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
-        elif request.is_finished:
+        elif request.is_finished and detokenizer is not None:
             text += detokenizer.flush()
         delta = SequenceDelta(
             request_id=request.parent_id,
@@ -265,7 +268,8 @@ class LLMEngine:
             request = self.scheduler.finish(child_id, status)
             if request is None:
                 continue
-            delta = SequenceDelta(request_id, request.index, [], self._detokenizers[child_id].flush())
+            detokenizer = self._detokenizers.get(child_id)
+            delta = SequenceDelta(request_id, request.index, [], detokenizer.flush() if detokenizer else "")
             self._complete(request, delta, error)
             deltas.append(delta)
         return deltas

@@ -28,6 +28,7 @@ class SamplingParams:
     logprobs: int | None = None  # None = none; k >= 0 = the chosen token's plus the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True  # False: token ids only (benchmarks, clients that decode themselves)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +72,8 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must hold non-empty strings")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
         _check("stop_token_ids", self.stop_token_ids, all(t >= 0 for t in self.stop_token_ids), "token ids >= 0")
         _check("seed", self.seed, self.seed is None or 0 <= self.seed < 2**63, "in [0, 2**63)")
 

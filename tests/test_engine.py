@@ -146,3 +146,10 @@ def test_offline_llm_api(tiny_model_dir) -> None:
     assert outputs[0].prompt == "Hello" and outputs[0].outputs[0].metrics is not None
     chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=3, temperature=0))
     assert len(chat) == 1 and len(chat[0].outputs[0].token_ids) == 3
+
+
+def test_detokenize_off_returns_ids_only(engine: LLMEngine) -> None:
+    out = run(engine, {"ids": (prompt(5), SamplingParams(max_tokens=4, temperature=0, detokenize=False))})["ids/0"]
+    assert len(out["tokens"]) == 4 and out["text"] == ""
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
