@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton chooses between compiling and interpreting when first imported: without CUDA, interpret (on CPU
+# tensors). Set here, before any test module imports it.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
 import transformers
 
 from engine.config import EngineConfig
@@ -38,6 +44,8 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
             "original_max_position_embeddings": 128,
         },
     ),
+    # head_dim 64: the smallest the Triton backend supports
+    "llama-hd64": lambda: transformers.LlamaConfig(**{**TINY_COMMON, "hidden_size": 256}),
     "mistral": lambda: transformers.MistralConfig(**TINY_COMMON, sliding_window=None),
     "qwen2": lambda: transformers.Qwen2Config(**TINY_COMMON, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**TINY_COMMON, head_dim=32),
