@@ -16,9 +16,10 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from engine.async_stream import EngineObserver, EngineSnapshot, EngineUnavailableError, RequestStream
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel
@@ -27,33 +28,6 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Message
 
 logger = logging.getLogger(__name__)
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine takes no requests: it is still loading, it was shut down, or its thread died."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Counters published by the engine thread after every iteration, for metrics."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of blocks referenced by requests (idle cached blocks excluded)
-    prefix_cache_queries: int = 0  # tokens
-    prefix_cache_hits: int = 0  # tokens
-    num_preemptions: int = 0
-    num_steps: int = 0
-
-
-class EngineObserver:
-    """Hooks run on the engine thread after each step; keep them cheap. The server's metrics use them."""
-
-    def on_step(self, seconds: float, num_tokens: int) -> None:
-        """One LLMEngine.step took `seconds` and computed `num_tokens` tokens."""
-
-    def on_deltas(self, deltas: list[SequenceDelta], now: float) -> None:
-        """Deltas just handed to their requests (from a step or an abort); `now` is time.monotonic()."""
 
 
 @dataclass
@@ -80,53 +54,7 @@ class _Abort:
     request_id: str
 
 
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _Stop
-
-
-class RequestStream(AsyncIterator[SequenceDelta]):
-    """The deltas of one request until all its n sequences finish.
-
-    Closing it early, or cancelling the task that awaits it, aborts the request (the client went away).
-    """
-
-    def __init__(
-        self, request_id: str, num_sequences: int, deltas: asyncio.Queue, abort: Callable[[str], None]
-    ) -> None:
-        self.request_id = request_id
-        self._num_unfinished = num_sequences
-        self._deltas = deltas
-        self._abort = abort
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> SequenceDelta:
-        if not self._num_unfinished:
-            raise StopAsyncIteration
-        try:
-            item = await self._deltas.get()
-        except asyncio.CancelledError:
-            self.close()
-            raise
-        if isinstance(item, BaseException):
-            self._num_unfinished = 0
-            raise item
-        if item.finished:
-            self._num_unfinished -= 1
-        return item
-
-    def close(self) -> None:
-        """Aborts the request unless it has finished; safe to call more than once."""
-        if self._num_unfinished:
-            self._num_unfinished = 0
-            self._abort(self.request_id)
-
-    async def aclose(self) -> None:
-        self.close()
+_Command = _Add | _Abort | None  # None: stop
 
 
 class AsyncEngine:
@@ -165,7 +93,7 @@ class AsyncEngine:
         with self._lock:
             self._accepting = False
             self._stopped = True
-            self._inbox.put(_Stop())
+            self._inbox.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -200,10 +128,8 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
 
-    async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncIterator[SequenceDelta]:
-        """Queues a request and returns its stream of deltas.
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        """Queues a request and returns its stream of deltas (an AsyncIterator[SequenceDelta]).
 
         Bad input (ValueError, ContextLengthError) and a full queue (QueueFullError) raise here, before
         any delta exists, so a server can still answer with an error status.
@@ -254,7 +180,7 @@ class AsyncEngine:
         deltas: list[SequenceDelta] = []
         stopping = False
         for command in self._take_commands(block=not engine.has_unfinished_requests()):
-            if isinstance(command, _Stop):
+            if command is None:
                 stopping = True
                 deltas += [d for request_id in list(self._sinks) for d in engine.abort_request(request_id)]
                 break
@@ -348,7 +274,6 @@ def _snapshot_of(engine: LLMEngine) -> EngineSnapshot:
         prefix_cache_queries=engine.kv.prefix_queries,
         prefix_cache_hits=engine.kv.prefix_hits,
         num_preemptions=engine.scheduler.num_preemptions,
-        num_steps=engine.stats.num_steps,
     )
 
 

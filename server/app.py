@@ -1,0 +1,33 @@
+"""The FastAPI app factory."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from engine.async_engine import AsyncEngine
+from server import chat, completions, routes
+from server.context import VERSION, ServerSettings, ServingContext
+from server.errors import install_error_handlers
+from server.metrics import ServerMetrics
+from server.middleware import ApiKeyMiddleware, RequestContextMiddleware
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    """The app for an engine that may still be loading (/ready says when it is not)."""
+    settings = settings or ServerSettings()
+    app = FastAPI(title="pagedserve", version=VERSION, summary="OpenAI-compatible LLM serving engine")
+    metrics = ServerMetrics(engine, settings.served_model_names[0])
+    engine.add_observer(metrics)
+    app.state.serving = ServingContext(engine, settings, metrics)
+    install_error_handlers(app)
+    for module in (chat, completions, routes):
+        app.include_router(module.router)
+    # Added innermost first: request ids and counts wrap everything, CORS answers preflights before auth.
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if settings.cors_allowed_origins:
+        origins = settings.cors_allowed_origins
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    return app

@@ -1,0 +1,94 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from engine import CompletionOutput, SequenceDelta, TokenLogprob
+from server.context import ServingContext, serving
+from server.errors import to_api_error
+from server.generation import UsageCounter, collect, start_streams, unless_disconnected
+from server.logprobs import chat_logprobs
+from server.protocol import ChatCompletionRequest
+from server.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    Usage,
+)
+from server.sse import sse_events, sse_response
+
+logger = logging.getLogger(__name__)
+router = APIRouter(tags=["openai"])
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
+    ctx = serving(request)
+    ctx.check_model(body.model)
+    engine = ctx.ready_engine()
+    try:
+        params = body.sampling_params()
+        prompt = engine.encode_chat(body.template_messages())
+    except ValueError as exc:
+        raise to_api_error(exc, "messages") from exc
+    request_id = request.state.request_id
+    streams = await start_streams(engine, ctx.engine_request_id(request_id), [prompt], params, "messages")
+    logger.info("request %s: chat, %d prompt tokens, n=%d, stream=%s", request_id, len(prompt), params.n, body.stream)
+    reply = ChatReply(ctx, body)
+    usage = UsageCounter(prompt_tokens=len(prompt))
+    if body.stream:
+        events = sse_events(reply, streams, params.n, usage, body.include_usage)
+        return sse_response(events, streams)
+    outputs = await unless_disconnected(request, collect(streams, params.n, usage))
+    return reply.completion(outputs, usage.usage())
+
+
+class ChatReply:
+    """Builds the answer's objects; also the ChunkFormatter for streaming."""
+
+    def __init__(self, ctx: ServingContext, body: ChatCompletionRequest) -> None:
+        self._ctx = ctx
+        self._n = body.n
+        self._envelope = ctx.envelope("chatcmpl")
+
+    def completion(self, outputs: list[CompletionOutput], usage: Usage) -> ChatCompletion:
+        choices = [
+            ChatChoice(
+                index=output.index,
+                message=AssistantMessage(content=output.text),
+                logprobs=self._logprobs(output.logprobs),
+                finish_reason=output.finish_reason,
+            )
+            for output in outputs
+        ]
+        return ChatCompletion(**self._envelope, choices=choices, usage=usage)
+
+    def opening(self) -> Iterable[ChatCompletionChunk]:
+        role = {"role": "assistant", "content": ""}
+        return [self._chunk(ChatChunkChoice(index=i, delta=role)) for i in range(self._n)]
+
+    def on_delta(self, choice: int, delta: SequenceDelta) -> ChatCompletionChunk | None:
+        if not delta.new_text and not delta.new_logprobs:
+            return None
+        content, logprobs = {"content": delta.new_text}, self._logprobs(delta.new_logprobs)
+        return self._chunk(ChatChunkChoice(index=choice, delta=content, logprobs=logprobs))
+
+    def on_finish(self, choice: int, finish_reason: str) -> ChatCompletionChunk:
+        return self._chunk(ChatChunkChoice(index=choice, delta={}, finish_reason=finish_reason))
+
+    def on_usage(self, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**self._envelope, choices=[], usage=usage)
+
+    def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**self._envelope, choices=[choice])
+
+    def _logprobs(self, items: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        return None if items is None else chat_logprobs(items, self._ctx.token_texts)

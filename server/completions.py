@@ -1,0 +1,109 @@
+"""POST /v1/completions: one engine request per prompt, choices indexed prompt-major."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from engine import CompletionOutput, SequenceDelta, TokenLogprob
+from engine.async_engine import AsyncEngine
+from server.context import ServingContext, serving
+from server.errors import to_api_error
+from server.generation import UsageCounter, collect, start_streams, unless_disconnected
+from server.logprobs import completion_logprobs, decode
+from server.protocol import CompletionRequest
+from server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
+from server.sse import sse_events, sse_response
+
+logger = logging.getLogger(__name__)
+router = APIRouter(tags=["openai"])
+
+
+@router.post("/v1/completions", response_model=Completion)
+async def create_completion(body: CompletionRequest, request: Request) -> Response | Completion:
+    ctx = serving(request)
+    ctx.check_model(body.model)
+    engine = ctx.ready_engine()
+    try:
+        params = body.sampling_params()
+        prompts = [engine.encode_prompt(prompt) for prompt in body.prompts]
+    except ValueError as exc:
+        raise to_api_error(exc, "prompt") from exc
+    request_id = request.state.request_id
+    streams = await start_streams(engine, ctx.engine_request_id(request_id), prompts, params, "prompt")
+    num_prompt_tokens = sum(len(prompt) for prompt in prompts)
+    logger.info(
+        "request %s: completion, %d prompts, %d prompt tokens, n=%d, stream=%s",
+        request_id,
+        len(prompts),
+        num_prompt_tokens,
+        params.n,
+        body.stream,
+    )
+    echoes = _echoes(engine, body, prompts)
+    reply = CompletionReply(ctx, echoes, params.n)
+    usage = UsageCounter(prompt_tokens=num_prompt_tokens)
+    if body.stream:
+        return sse_response(sse_events(reply, streams, params.n, usage, body.include_usage), streams)
+    outputs = await unless_disconnected(request, collect(streams, params.n, usage))
+    return reply.completion(outputs, usage.usage())
+
+
+def _echoes(engine: AsyncEngine, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """The text each choice starts with: its prompt with echo, else nothing."""
+    if not body.echo:
+        return [""] * len(prompts)
+    tokenizer = engine.engine.tokenizer
+    return [p if isinstance(p, str) else decode(tokenizer, ids) for p, ids in zip(body.prompts, prompts)]
+
+
+class CompletionReply:
+    """Builds the answer's objects; also the ChunkFormatter for streaming."""
+
+    def __init__(self, ctx: ServingContext, echoes: list[str], n: int) -> None:
+        self._ctx = ctx
+        self._echoes = [echo for echo in echoes for _ in range(n)]  # per choice
+        self._text_offsets = [len(echo) for echo in self._echoes]  # where each choice's next token starts
+        self._envelope = ctx.envelope("cmpl")
+
+    def completion(self, outputs: list[CompletionOutput], usage: Usage) -> Completion:
+        choices = [
+            CompletionChoice(
+                index=output.index,
+                text=self._echoes[output.index] + output.text,
+                logprobs=self._logprobs(output.index, output.logprobs),
+                finish_reason=output.finish_reason,
+            )
+            for output in outputs
+        ]
+        return Completion(**self._envelope, choices=choices, usage=usage)
+
+    def opening(self) -> Iterable[Completion]:
+        echoes = enumerate(self._echoes)
+        return [self._chunk(CompletionChoice(index=i, text=echo)) for i, echo in echoes if echo]
+
+    def on_delta(self, choice: int, delta: SequenceDelta) -> Completion | None:
+        if not delta.new_text and not delta.new_logprobs:
+            return None
+        logprobs = self._logprobs(choice, delta.new_logprobs)
+        return self._chunk(CompletionChoice(index=choice, text=delta.new_text, logprobs=logprobs))
+
+    def on_finish(self, choice: int, finish_reason: str) -> Completion:
+        return self._chunk(CompletionChoice(index=choice, text="", finish_reason=finish_reason))
+
+    def on_usage(self, usage: Usage) -> Completion:
+        return Completion(**self._envelope, choices=[], usage=usage)
+
+    def _chunk(self, choice: CompletionChoice) -> Completion:
+        return Completion(**self._envelope, choices=[choice])
+
+    def _logprobs(self, choice: int, items: list[TokenLogprob] | None) -> CompletionLogprobs | None:
+        if items is None:
+            return None
+        logprobs = completion_logprobs(items, self._ctx.token_texts, self._text_offsets[choice])
+        if logprobs.tokens:
+            self._text_offsets[choice] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        return logprobs

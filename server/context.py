@@ -1,0 +1,79 @@
+"""What every route shares: the settings, and the serving context built once per app."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+from importlib.metadata import version
+
+from fastapi import Request
+
+from engine.async_engine import AsyncEngine
+from engine.async_stream import EngineUnavailableError
+from engine.loader import EMBEDDED_NAME
+from server.errors import APIError, engine_unavailable
+from server.logprobs import TokenTexts
+from server.metrics import ServerMetrics
+from server.responses import Envelope
+
+VERSION = version("pagedserve")
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str] = field(default_factory=lambda: [EMBEDDED_NAME])  # the first is reported
+    api_key: str | None = None
+    cors_allowed_origins: list[str] = field(default_factory=list)
+
+
+class ServingContext:
+    """What every route needs: the engine, the names it answers to, metrics, ids."""
+
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.model_name = settings.served_model_names[0]
+        self.created = int(time.time())
+        identity = f"{VERSION}:{self.model_name}".encode()
+        self.system_fingerprint = "fp_" + hashlib.sha256(identity).hexdigest()[:10]
+        self.draining = False  # set on shutdown, so /ready turns 503 before the listener closes
+        self._sequence = itertools.count()
+        self._token_texts: TokenTexts | None = None
+
+    def check_model(self, name: str) -> None:
+        if name not in self.settings.served_model_names:
+            raise APIError(404, f"the model {name!r} does not exist", code="model_not_found", param="model")
+
+    def ready_engine(self) -> AsyncEngine:
+        if self.draining:
+            raise engine_unavailable(EngineUnavailableError("the server is shutting down"))
+        if not self.engine.is_ready:
+            raise engine_unavailable(EngineUnavailableError(self.engine.unavailable_reason()))
+        return self.engine
+
+    def envelope(self, id_prefix: str) -> Envelope:
+        """A new answer's id, creation time and model, for `chatcmpl-` or `cmpl-` objects."""
+        return Envelope(
+            id=f"{id_prefix}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model_name,
+            system_fingerprint=self.system_fingerprint,
+        )
+
+    def engine_request_id(self, request_id: str) -> str:
+        """Clients may reuse an X-Request-Id; the engine needs ids unique among running requests."""
+        return f"{request_id}-{next(self._sequence)}"
+
+    @property
+    def token_texts(self) -> TokenTexts:
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.engine.engine.tokenizer)
+        return self._token_texts
+
+
+def serving(request: Request) -> ServingContext:
+    return request.app.state.serving

@@ -1,0 +1,153 @@
+"""OpenAI error JSON for every failure: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine import ContextLengthError, QueueFullError, SamplingParams
+from engine.async_stream import EngineUnavailableError
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = "1"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for it: nobody reads it, but access logs and metrics show it
+
+# pydantic error types -> OpenAI-style codes; our own PydanticCustomError types pass through unchanged.
+_VALIDATION_CODES = {
+    "missing": "missing_required_parameter",
+    "json_invalid": "invalid_json",
+    "too_short": "empty_array",
+    "literal_error": "invalid_value",
+    "value_error": "invalid_value",
+}
+_FIELD_AT_START = re.compile(r"^([a-z_]+) ")
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was ready (its requests are aborted)."""
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        error_type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.error_type = error_type
+        self.code = code
+        self.param = param
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        error = {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
+        return {"error": error}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def invalid_request(message: str, code: str, param: str | None = None) -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+def server_error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> APIError:
+    return APIError(status, message, error_type="server_error", code=code, headers=headers)
+
+
+def engine_unavailable(exc: EngineUnavailableError) -> APIError:
+    return server_error(503, str(exc), "engine_unavailable", _retry_after())
+
+
+def to_api_error(exc: ValueError | QueueFullError | EngineUnavailableError, prompt_param: str) -> APIError:
+    """Maps what building SamplingParams or AsyncEngine.generate raises to the HTTP answer."""
+    if isinstance(exc, ContextLengthError):
+        return invalid_request(str(exc), "context_length_exceeded", prompt_param)
+    if isinstance(exc, QueueFullError):
+        message = f"the server is overloaded ({exc}); retry later"
+        return server_error(503, message, "queue_full", _retry_after())
+    if isinstance(exc, EngineUnavailableError):
+        return engine_unavailable(exc)
+    return invalid_request(str(exc), "invalid_value", _param_named_in(str(exc), prompt_param))
+
+
+def as_api_error(exc: Exception) -> APIError:
+    """Any failure once a response is under way (an SSE stream), as the error to report."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineUnavailableError):
+        return engine_unavailable(exc)
+    logger.error("streaming failed", exc_info=exc)
+    return server_error(500, "internal server error", "internal_error")
+
+
+def _param_named_in(message: str, prompt_param: str) -> str | None:
+    """Engine messages name the offending field first ("temperature must be in [0, 2], got 3")."""
+    if "prompt" in message:
+        return prompt_param
+    match = _FIELD_AT_START.match(message)
+    return match.group(1) if match and match.group(1) in _SAMPLING_FIELDS else None
+
+
+def _retry_after() -> dict[str, str]:
+    return {"Retry-After": RETRY_AFTER_SECONDS}
+
+
+def from_validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's 422 becomes OpenAI's 400, naming the first bad field."""
+    error = exc.errors()[0]
+    kind = error["type"]
+    code = _VALIDATION_CODES.get(kind) or ("invalid_type" if kind.endswith(("_type", "_parsing")) else kind)
+    if kind == "json_invalid":
+        return invalid_request("the request body is not valid JSON", code)
+    location = [str(part) for part in error["loc"] if part != "body"]
+    if not location:
+        return invalid_request(f"the request body must be a JSON object: {error['msg']}", code)
+    param = ".".join(location)
+    cause = error.get("ctx", {}).get("error")
+    message = str(cause) if isinstance(cause, Exception) else error["msg"]
+    return invalid_request(f"{param}: {message}", code, param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        headers = dict(exc.headers) if exc.headers else None
+        return APIError(exc.status_code, message, code=code, headers=headers).response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(request: Request, exc: ClientDisconnected) -> Response:
+        logger.info("request %s: the client hung up; its generation was aborted", request.state.request_id)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        request_id = getattr(request.state, "request_id", None)
+        logger.error("request %s failed", request_id, exc_info=exc)
+        return server_error(500, "internal server error", "internal_error").response()

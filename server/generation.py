@@ -1,0 +1,136 @@
+"""What chat and completions share: starting engine requests, merging their streams, usage, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from engine import CompletionOutput, QueueFullError, SamplingParams, SequenceDelta
+from engine.async_engine import AsyncEngine
+from engine.async_stream import EngineUnavailableError, RequestStream
+from server.errors import ClientDisconnected, server_error, to_api_error
+from server.responses import PromptTokensDetails, Usage
+
+T = TypeVar("T")
+Streams = list[RequestStream]
+
+
+async def start_streams(
+    engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str
+) -> Streams:
+    """One engine request per prompt, all or none: a refused prompt aborts those already started."""
+    streams: Streams = []
+    try:
+        for index, prompt in enumerate(prompts):
+            engine_id = request_id if len(prompts) == 1 else f"{request_id}/{index}"
+            streams.append(await engine.generate(engine_id, prompt, params))
+    except (ValueError, QueueFullError, EngineUnavailableError) as exc:
+        close_all(streams)
+        raise to_api_error(exc, prompt_param) from exc
+    except BaseException:
+        close_all(streams)
+        raise
+    return streams
+
+
+def close_all(streams: Streams) -> None:
+    """Aborts whatever has not finished (a no-op for finished streams)."""
+    for stream in streams:
+        stream.close()
+
+
+async def merged(streams: Streams) -> AsyncGenerator[tuple[int, SequenceDelta], None]:
+    """(prompt index, delta) from all streams as they come. Closing it aborts the unfinished streams."""
+    tasks: list[asyncio.Task] = []
+    try:
+        if len(streams) == 1:  # the common case, without a hop through a queue
+            async for delta in streams[0]:
+                yield 0, delta
+            return
+        queue: asyncio.Queue[tuple[int, SequenceDelta | Exception | None]] = asyncio.Queue()
+        tasks = [asyncio.create_task(_pump(i, stream, queue)) for i, stream in enumerate(streams)]
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        close_all(streams)
+
+
+async def _pump(index: int, stream: RequestStream, queue: asyncio.Queue) -> None:
+    try:
+        async for delta in stream:
+            queue.put_nowait((index, delta))
+        queue.put_nowait((index, None))
+    except Exception as exc:  # handed to the consumer, which decides
+        queue.put_nowait((index, exc))
+
+
+def raise_if_failed(delta: SequenceDelta) -> None:
+    if delta.finish_reason == "error":
+        message = f"generation failed: {delta.error or 'unknown engine error'}"
+        raise server_error(500, message, "engine_error")
+
+
+@dataclass
+class UsageCounter:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_by_prompt: dict[int, int] = field(default_factory=dict)
+
+    def add(self, prompt_index: int, delta: SequenceDelta) -> None:
+        self.completion_tokens += len(delta.new_token_ids)
+        if delta.finished:
+            cached = max(self.cached_by_prompt.get(prompt_index, 0), delta.num_cached_tokens)
+            self.cached_by_prompt[prompt_index] = cached
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_by_prompt.values())),
+        )
+
+
+async def collect(streams: Streams, n: int, usage: UsageCounter) -> list[CompletionOutput]:
+    """Whole outputs, indexed prompt-major like OpenAI (choice index = prompt index * n + sample)."""
+    outputs = [CompletionOutput(index=i) for i in range(len(streams) * n)]
+    async with contextlib.aclosing(merged(streams)) as deltas:
+        async for prompt_index, delta in deltas:
+            raise_if_failed(delta)
+            usage.add(prompt_index, delta)
+            outputs[prompt_index * n + delta.index].extend(delta)
+    return outputs
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, cancelling it (which aborts its engine requests) if the client hangs up first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientDisconnected
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,99 @@
+"""`pagedserve generate` and `pagedserve chat`: no server; the engine steps here and text streams out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine import LLMEngine, SamplingParams
+from server.engine_args import add_engine_args, engine_config
+
+REQUEST_ID = "cli"
+EXIT_WORDS = ("/exit", "/quit")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    generate = commands.add_parser("generate", help="complete one prompt, streaming to the terminal")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--chat-template", action="store_true", help="wrap the prompt as one user message")
+    _add_sampling_args(generate, max_tokens=128)
+    generate.set_defaults(run=generate_command)
+
+    chat = commands.add_parser("chat", help="talk to a model in the terminal (keeps the conversation)")
+    chat.add_argument("--system", help="a system prompt")
+    _add_sampling_args(chat, max_tokens=512)
+    chat.set_defaults(run=chat_command)
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=max_tokens)
+    sampling.add_argument("--temperature", type=float, default=0.7)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0)
+    sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0)
+    sampling.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    sampling.add_argument("--seed", type=int, help="sampling seed, for reproducible output (also the engine's)")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+    add_engine_args(parser, exclude=frozenset({"seed"}))
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+        seed=args.seed,
+    )
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    engine = LLMEngine(engine_config(args))
+    prompt = args.prompt
+    if args.chat_template:
+        prompt = engine.encode_chat([{"role": "user", "content": prompt}])
+    stream_reply(engine, prompt, params)
+    return 0
+
+
+def chat_command(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    engine = LLMEngine(engine_config(args))
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"chatting with {engine.loaded.model_dir.name}; {' or '.join(EXIT_WORDS)} ends", file=sys.stderr)
+    while True:
+        try:
+            line = input("\n>>> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            return 0
+        if line in EXIT_WORDS:
+            return 0
+        if line:
+            history.append({"role": "user", "content": line})
+            reply = stream_reply(engine, engine.encode_chat(history), params)
+            history.append({"role": "assistant", "content": reply})
+
+
+def stream_reply(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> str:
+    """Generates and prints as tokens come; Ctrl-C stops this reply only. Returns the text printed."""
+    engine.add_request(REQUEST_ID, prompt, params)
+    pieces: list[str] = []
+    try:
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                print(delta.new_text, end="", flush=True)
+                pieces.append(delta.new_text)
+                if delta.error:
+                    print(f"\n[error: {delta.error}]", file=sys.stderr)
+    except KeyboardInterrupt:
+        engine.abort_request(REQUEST_ID)
+        print("\n[interrupted]", file=sys.stderr)
+    print()
+    return "".join(pieces)

@@ -1,0 +1,248 @@
+"""OpenAI request bodies. Unknown fields are ignored like OpenAI does; features we lack are refused clearly.
+
+Types are checked here; value ranges are checked once, by SamplingParams, whose messages name the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from engine import SamplingParams
+
+# Fields passed to SamplingParams as they are, when the client sets them.
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "ignore_eos",
+    "min_tokens",
+)
+
+
+def unsupported(message: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported_parameter", message)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """What chat and completions requests share."""
+
+    model_config = ConfigDict(extra="ignore")  # pydantic's default, stated: OpenAI ignores unknown fields too
+
+    model: str
+    n: int = 1
+    max_tokens: int | None = None  # clamped by the engine to the room left in the context
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def build_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError, naming the field, for out-of-range values."""
+        chosen = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        return SamplingParams(n=self.n, max_tokens=max_tokens, logprobs=logprobs, **chosen)
+
+
+# ---- chat ----------------------------------------------------------------------------------------------
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if not isinstance(content, (str, list)):
+            raise PydanticCustomError("invalid_type", "content must be a string or a list of text parts")
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                message = "only text content parts are supported, got '{kind}'"
+                raise PydanticCustomError("invalid_value", message, {"kind": str(kind)})
+        return content
+
+    def for_template(self) -> dict[str, str]:
+        """The plain {"role", "content"} dict chat templates expect; developer is OpenAI's new system."""
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ResponseFormat(BaseModel):
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, kind: str) -> str:
+        if kind != "text":
+            raise unsupported(f"response_format {kind!r} is not supported; only 'text' is")
+        return kind
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not messages:
+            raise PydanticCustomError("empty_array", "messages must hold at least one message")
+        return messages
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs is not None and not info.data.get("logprobs"):
+            raise PydanticCustomError("invalid_value", "top_logprobs requires logprobs to be true")
+        return top_logprobs
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
+        if tools:
+            raise unsupported("tool and function calling are not supported by this server")
+        return tools
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, choice: Any) -> Any:
+        if choice not in (None, "none"):
+            raise unsupported("tool and function calling are not supported by this server")
+        return choice
+
+    def sampling_params(self) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+        return self.build_sampling_params(max_tokens, logprobs)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [message.for_template() for message in self.messages]
+
+
+# ---- completions ---------------------------------------------------------------------------------------
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint (chat runs to the context's end)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_of_four_forms(cls, prompt: Any) -> Any:
+        """A clear message instead of pydantic's one error per member of the Prompt union."""
+        if not _is_prompt(prompt):
+            message = "prompt must be a string, a list of strings, token ids, or a list of token id lists"
+            raise PydanticCustomError("invalid_type", message)
+        if not prompt or any(isinstance(p, (str, list)) and not p for p in prompt):
+            raise PydanticCustomError("empty_array", "prompt must not be empty")
+        return prompt
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_echoed_logprobs(cls, logprobs: int | None, info: ValidationInfo) -> int | None:
+        if logprobs is not None and info.data.get("echo"):
+            raise unsupported("echo with logprobs is not supported: prompt logprobs are not computed")
+        return logprobs
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise unsupported("suffix (fill-in-the-middle) is not supported by this server")
+        return suffix
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise unsupported("best_of is not supported; use n")
+        return best_of
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt, whichever of the four OpenAI forms was sent."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [cast(str | list[int], self.prompt)]
+        return cast(list[str | list[int]], self.prompt)
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return self.build_sampling_params(max_tokens, self.logprobs)
+
+
+def _is_prompt(value: Any) -> bool:
+    def token_ids(items: Any) -> bool:
+        return isinstance(items, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in items)
+
+    if isinstance(value, str) or token_ids(value):
+        return True
+    if not isinstance(value, list):
+        return False
+    return all(isinstance(p, str) for p in value) or all(map(token_ids, value))
+
+
+# ---- tokenizer endpoints -------------------------------------------------------------------------------
+
+
+class TokenizeRequest(BaseModel):
+    """Either a prompt or chat messages (tokenized with the chat template, as chat completions do)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,69 @@
+"""Streaming answers as Server-Sent Events: chunks as deltas arrive, then usage, then `data: [DONE]`.
+
+A stream that fails after it started cannot change its status any more: it ends with one
+`data: {"error": {...}}` event and no [DONE].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterable
+from typing import Protocol
+
+from pydantic import BaseModel
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
+
+from engine import SequenceDelta
+from server.errors import as_api_error
+from server.generation import Streams, UsageCounter, close_all, merged, raise_if_failed
+from server.responses import Usage
+
+Event = dict[str, str]
+
+
+class ChunkFormatter(Protocol):
+    """Turns deltas into one endpoint's chunk objects (chat and completions differ only here)."""
+
+    def opening(self) -> Iterable[BaseModel]: ...
+
+    def on_delta(self, choice: int, delta: SequenceDelta) -> BaseModel | None: ...
+
+    def on_finish(self, choice: int, finish_reason: str) -> BaseModel: ...
+
+    def on_usage(self, usage: Usage) -> BaseModel: ...
+
+
+def sse_response(events: AsyncIterator[Event], streams: Streams) -> EventSourceResponse:
+    # The background task is the safety net when the stream never starts (client gone before the first byte).
+    return EventSourceResponse(events, sep="\n", background=BackgroundTask(close_all, streams))
+
+
+async def sse_events(
+    formatter: ChunkFormatter, streams: Streams, n: int, usage: UsageCounter, include_usage: bool
+) -> AsyncIterator[Event]:
+    exclude = None if include_usage else {"usage"}  # OpenAI sends "usage": null only when asked for usage
+
+    def event(chunk: BaseModel) -> Event:
+        return {"data": chunk.model_dump_json(exclude=exclude)}
+
+    for chunk in formatter.opening():
+        yield event(chunk)
+    try:
+        async with contextlib.aclosing(merged(streams)) as deltas:
+            async for prompt_index, delta in deltas:
+                raise_if_failed(delta)
+                usage.add(prompt_index, delta)
+                choice = prompt_index * n + delta.index
+                content = formatter.on_delta(choice, delta)
+                if content is not None:
+                    yield event(content)
+                if delta.finish_reason is not None:
+                    yield event(formatter.on_finish(choice, delta.finish_reason))
+    except Exception as exc:
+        yield {"data": json.dumps(as_api_error(exc).body())}
+        return
+    if include_usage:
+        yield event(formatter.on_usage(usage.usage()))
+    yield {"data": "[DONE]"}
