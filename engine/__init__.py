@@ -1,5 +1,7 @@
 """pagedserve's engine: everything that turns requests into tokens. Knows nothing about HTTP."""
 
+from engine.async_engine import AsyncEngine
+from engine.async_stream import EngineUnavailableError
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import ContextLengthError, LLMEngine
@@ -9,9 +11,11 @@ from engine.scheduler import QueueFullError
 
 __all__ = [
     "LLM",
+    "AsyncEngine",
     "CompletionOutput",
     "ContextLengthError",
     "EngineConfig",
+    "EngineUnavailableError",
     "LLMEngine",
     "QueueFullError",
     "RequestOutput",

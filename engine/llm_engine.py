@@ -197,7 +197,7 @@ class LLMEngine:
             return [d for rid in ids for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, str(exc))]
         progressed = self.scheduler.update(out, {rid: tok for rid, (tok, _) in sampled.items()})
         deltas = [self._delta(r, sampled[r.request_id][1]) for r in progressed]
-        self._record_step(out, start)
+        self._record_step(progressed, start)
         return deltas
 
     def _run_and_sample(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
@@ -282,14 +282,13 @@ class LLMEngine:
         logger.error("request %s cannot fit the KV cache; failing it", head.request_id)
         return self._finish_group(head.parent_id, RequestStatus.FINISHED_ERROR, "the request does not fit the KV cache")
 
-    def _record_step(self, out: SchedulerOutput, start: float) -> None:
+    def _record_step(self, progressed: list[Request], start: float) -> None:
         stats = self.stats
         stats.num_steps += 1
         stats.step_seconds += time.perf_counter() - start
-        for item in out.scheduled:
-            if item.samples and item.request.num_output_tokens == 1:
-                stats.prompt_tokens += item.request.num_prompt_tokens
-        stats.generation_tokens += sum(1 for s in out.scheduled if s.samples)
+        stats.generation_tokens += len(progressed)
+        # A prompt counts once: at its first token (not again after a preemption), not per parallel sample.
+        stats.prompt_tokens += sum(r.num_prompt_tokens for r in progressed if r.num_output_tokens == 1 and r.index == 0)
         stats.peak_running = max(stats.peak_running, self.scheduler.num_running)
         slots = (self.kv.num_blocks - self.kv.pool.num_free) * self.kv.block_size
         if slots > stats.peak_kv_slots:

@@ -153,3 +153,10 @@ def test_detokenize_off_returns_ids_only(engine: LLMEngine) -> None:
     assert len(out["tokens"]) == 4 and out["text"] == ""
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_stats_count_prompt_and_generated_tokens(engine: LLMEngine) -> None:
+    run(engine, {"a": (prompt(7), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))})
+    run(engine, {"b": (prompt(5), SamplingParams(n=2, max_tokens=4, temperature=0, ignore_eos=True))})
+    assert engine.stats.generation_tokens == 3 + 2 * 4
+    assert engine.stats.prompt_tokens == 7 + 5
