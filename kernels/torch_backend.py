@@ -1,8 +1,9 @@
 """CPU backend: the kernel contract in vectorised torch.
 
-Decode sequences (one new token each) are attended in one batched call over their gathered blocks;
-sequences with several new tokens (prefill chunks) are attended one sequence at a time, which is a loop over
-sequences, never over tokens. The gather indices are planned once per step and shared by all layers.
+Decode sequences (one new token each) are sorted by length and attended in groups of similar length, one
+batched call per group, so little work goes to padding; sequences with several new tokens (prefill chunks)
+are attended one at a time, which is a loop over sequences, never over tokens. The gather indices and masks
+are planned once per step and shared by all layers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ import torch.nn.functional as F
 
 from kernels.backend import AttentionBackend
 from kernels.metadata import AttentionMetadata
+
+DECODE_GROUP_SIZE = 16  # decode sequences per batched call: bounds padding to the group's longest
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor  # query rows of the group's sequences
+    blocks: torch.Tensor  # [group, max_blocks] block ids, flattened row by row for one gather
+    mask: torch.Tensor  # [group, 1, 1, max_blocks * block_size] additive: 0 or -inf past each length
+    num_seqs: int
 
 
 @dataclass
@@ -27,10 +38,9 @@ class _PrefillSlice:
 
 @dataclass
 class _TorchPlan:
-    decode_tokens: torch.Tensor | None  # query rows of decode sequences
-    decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] block ids
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decodes: list[_DecodeGroup]
     prefills: list[_PrefillSlice]
+    num_tokens: int
 
 
 class TorchBackend(AttentionBackend):
@@ -64,11 +74,9 @@ class TorchBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         plan: _TorchPlan = metadata.plan if metadata.plan is not None else _plan(metadata)
-        if not plan.prefills and plan.decode_tokens is not None and len(plan.decode_tokens) == len(query):
-            return _decode_attention(query, k_cache, v_cache, plan, scale)  # decode-only: no scatter
         out = torch.empty_like(query)
-        if plan.decode_tokens is not None:
-            out[plan.decode_tokens] = _decode_attention(query[plan.decode_tokens], k_cache, v_cache, plan, scale)
+        for group in plan.decodes:
+            out.index_copy_(0, group.rows, _decode_attention(query[group.rows], k_cache, v_cache, group, scale))
         for piece in plan.prefills:
             out[piece.query_begin : piece.query_end] = _prefill_attention(
                 query[piece.query_begin : piece.query_end], k_cache, v_cache, piece, scale
@@ -77,46 +85,55 @@ class TorchBackend(AttentionBackend):
 
 
 def _plan(metadata: AttentionMetadata) -> _TorchPlan:
-    block_size = metadata.block_size
     starts = [0]
     for n in metadata.query_lens_host:
         starts.append(starts[-1] + n)
-    decode_seqs = [i for i, n in enumerate(metadata.query_lens_host) if n == 1]
-    prefills = []
-    for seq, query_len in enumerate(metadata.query_lens_host):
-        if query_len <= 1:
-            continue
-        seq_len = metadata.seq_lens_host[seq]
-        blocks = metadata.block_tables[seq, : -(-seq_len // block_size)].long()
-        mask = None
-        if query_len != seq_len:
-            query_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
-            mask = torch.arange(seq_len).unsqueeze(0) <= query_pos
-        prefills.append(_PrefillSlice(starts[seq], starts[seq + 1], seq_len, blocks, mask))
-    if not decode_seqs:
-        return _TorchPlan(None, None, None, prefills)
-    lens = torch.tensor([metadata.seq_lens_host[i] for i in decode_seqs])
+    decode_seqs = sorted(
+        (i for i, n in enumerate(metadata.query_lens_host) if n == 1), key=lambda i: metadata.seq_lens_host[i]
+    )
+    decodes = [
+        _decode_group(metadata, decode_seqs[first : first + DECODE_GROUP_SIZE], starts)
+        for first in range(0, len(decode_seqs), DECODE_GROUP_SIZE)
+    ]
+    prefills = [_prefill_slice(metadata, seq, starts) for seq, n in enumerate(metadata.query_lens_host) if n > 1]
+    return _TorchPlan(decodes, prefills, starts[-1])
+
+
+def _decode_group(metadata: AttentionMetadata, seqs: list[int], starts: list[int]) -> _DecodeGroup:
+    block_size = metadata.block_size
+    lens = torch.tensor([metadata.seq_lens_host[i] for i in seqs])
     num_blocks = -(-int(lens.max()) // block_size)
-    rows = torch.tensor(decode_seqs)
-    decode_blocks = metadata.block_tables[rows, :num_blocks].long()
-    key_pos = torch.arange(num_blocks * block_size)
-    decode_mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, -1)
-    decode_tokens = torch.tensor([starts[i] for i in decode_seqs])
-    return _TorchPlan(decode_tokens, decode_blocks, decode_mask, prefills)
+    index = torch.tensor(seqs, device=metadata.block_tables.device)
+    blocks = metadata.block_tables[index, :num_blocks].long().flatten()
+    past_end = torch.arange(num_blocks * block_size).unsqueeze(0) >= lens.unsqueeze(1)
+    # An additive float mask: CPU SDPA takes a faster path for it than for a boolean one.
+    mask = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf")).view(len(seqs), 1, 1, -1)
+    rows = torch.tensor([starts[i] for i in seqs], device=metadata.block_tables.device)
+    return _DecodeGroup(rows, blocks, mask.to(metadata.block_tables.device), len(seqs))
+
+
+def _prefill_slice(metadata: AttentionMetadata, seq: int, starts: list[int]) -> _PrefillSlice:
+    query_len, seq_len = metadata.query_lens_host[seq], metadata.seq_lens_host[seq]
+    blocks = metadata.block_tables[seq, : -(-seq_len // metadata.block_size)].long()
+    mask = None
+    if query_len != seq_len:
+        query_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
+        mask = (torch.arange(seq_len).unsqueeze(0) <= query_pos).to(blocks.device)
+    return _PrefillSlice(starts[seq], starts[seq + 1], seq_len, blocks, mask)
 
 
 def _decode_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _TorchPlan, scale: float
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup, scale: float
 ) -> torch.Tensor:
     """query [B, H, D] -> [B, H, D]: one new token per sequence over its padded, masked context."""
-    assert plan.decode_blocks is not None
-    num_seqs = plan.decode_blocks.shape[0]
-    key = _gather(k_cache, plan.decode_blocks.flatten()).view(num_seqs, -1, *k_cache.shape[2:]).transpose(1, 2)
-    value = _gather(v_cache, plan.decode_blocks.flatten()).view(num_seqs, -1, *v_cache.shape[2:]).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), key, value, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
-    )
-    return out.squeeze(2)
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    key = _gather(k_cache, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    value = _gather(v_cache, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # The heads that share a KV head become that head's query rows: [B, KVH, group, D].
+    grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=group.mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill_attention(

@@ -89,3 +89,14 @@ def test_auto_backend_is_torch_on_cpu() -> None:
     assert kernels.resolve_backend_name("auto", torch.device("cuda")) == "triton"
     with pytest.raises(ValueError, match="attention_backend"):
         kernels.resolve_backend_name("flash", torch.device("cpu"))
+
+
+def test_many_decodes_of_different_lengths_are_grouped_correctly() -> None:
+    # More decode sequences than one group holds, lengths out of order, next to a prefill chunk.
+    seq_lens = [5 + 13 * ((7 * i) % 40) for i in range(40)] + [60]
+    query_lens = [1] * 40 + [12]
+    case = make_paged_case(seq_lens, query_lens, num_heads=6, num_kv_heads=2, block_size=16)
+    args = (case.block_tables, case.seq_lens, case.query_start_loc, case.scale)
+    out = kernels.paged_attention(case.query, case.k_cache, case.v_cache, *args, backend="torch")
+    expected = paged_attention_reference(case.query, case.k_cache, case.v_cache, *args)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
