@@ -62,7 +62,8 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
 
 
 def _block_stop_tokens_before_min(logits: torch.Tensor, requests: list[Request]) -> None:
-    rows, cols = [], []
+    rows: list[int] = []
+    cols: list[int] = []
     for row, request in enumerate(requests):
         if request.num_output_tokens >= request.params.min_tokens:
             continue
@@ -151,8 +152,8 @@ def _gather_logprobs(
 ) -> list[TokenLogprob | None]:
     max_top = max(r.params.logprobs or 0 for r in requests)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-    top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (logprobs[:, :0], tokens[:, None][:, :0])
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    best = logprobs.topk(max_top, dim=-1) if max_top else (logprobs[:, :0], tokens[:, None][:, :0])
+    top_values, top_ids = best[0].tolist(), best[1].tolist()
     token_list = tokens.tolist()
     result: list[TokenLogprob | None] = []
     for row, request in enumerate(requests):

@@ -38,4 +38,6 @@ def apply_chat_template(
 ) -> str:
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; use the completions API instead")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert isinstance(text, str)
+    return text

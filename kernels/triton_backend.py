@@ -135,7 +135,8 @@ class TritonBackend(AttentionBackend):
 
 def _query_tiles(query_lens: list[int], tile_tokens: int, device: torch.device) -> torch.Tensor:
     """[2, num_tiles] int32: the sequence and the first new token of each query tile."""
-    seqs, starts = [], []
+    seqs: list[int] = []
+    starts: list[int] = []
     for seq, query_len in enumerate(query_lens):
         tile_starts = range(0, query_len, tile_tokens)
         seqs += [seq] * len(tile_starts)

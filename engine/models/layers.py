@@ -30,6 +30,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq, attention_scaling = _inverse_frequencies(head_dim, rope_parameters, hf_config)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 

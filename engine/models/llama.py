@@ -74,6 +74,7 @@ class LlamaForCausalLM(nn.Module):
 
     def bind_kv_caches(self, caches: list[KVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
+            assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.kv_cache = cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
