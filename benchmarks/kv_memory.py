@@ -38,8 +38,9 @@ class MemoryResult:
     steps: int
 
 
-def simulate_paged(lengths: list[tuple[int, int]], budget_tokens: int, max_model_len: int) -> MemoryResult:
-    block_size = 16
+def simulate_paged(
+    lengths: list[tuple[int, int]], budget_tokens: int, max_model_len: int, block_size: int = 16
+) -> MemoryResult:
     kv = KVCacheManager(budget_tokens // block_size, block_size, enable_caching=False)
     scheduler = Scheduler(
         kv, max_num_seqs=1024, max_num_batched_tokens=8192, max_model_len=max_model_len, max_queue_len=len(lengths)
@@ -58,7 +59,7 @@ def simulate_paged(lengths: list[tuple[int, int]], budget_tokens: int, max_model
         peak_running = max(peak_running, scheduler.num_running)
         if slots > peak_slots:
             peak_slots, use_at_peak = slots, stored / slots
-    return MemoryResult("pagedserve (paged, block 16)", peak_running, use_at_peak, steps)
+    return MemoryResult(f"pagedserve (paged, block {block_size})", peak_running, use_at_peak, steps)
 
 
 def simulate_contiguous(lengths: list[tuple[int, int]], budget_tokens: int, max_model_len: int) -> MemoryResult:
@@ -149,6 +150,7 @@ def main() -> None:
 
     lengths = sharegpt_like_lengths(args.num_requests, args.max_model_len, seed=0)
     paged = simulate_paged(lengths, args.budget_tokens, args.max_model_len)
+    paged_small_blocks = simulate_paged(lengths, args.budget_tokens, args.max_model_len, block_size=8)
     contiguous = simulate_contiguous(lengths, args.budget_tokens, args.max_model_len)
     mean_prompt = sum(p for p, _ in lengths) / len(lengths)
     mean_output = sum(o for _, o in lengths) / len(lengths)
@@ -159,7 +161,7 @@ def main() -> None:
     print()
     print("| allocator | peak requests running | KV slots holding tokens at the peak |")
     print("|---|---:|---:|")
-    for result in (contiguous, paged):
+    for result in (contiguous, paged, paged_small_blocks):
         print(f"| {result.name} | {result.peak_running} | {result.slot_use_at_peak:.1%} |")
     print(f"\npaged runs {paged.peak_running / contiguous.peak_running:.1f}x as many requests at once")
     plot(paged, contiguous, RESULTS / "kv_memory.png")
