@@ -105,6 +105,16 @@ def pagedserve_run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple
     return Result("(d) pagedserve LLM.generate", len(prompts), tokens, seconds), extra
 
 
+def report(result: Result) -> Result:
+    """Prints a result as soon as it exists, so a long run shows its progress."""
+    print(
+        f"| {result.name} | {result.requests} | {result.output_tokens} | {result.seconds:.1f} | "
+        f"{result.tokens_per_second:.1f} |",
+        flush=True,
+    )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=64)
@@ -113,6 +123,9 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=400)
     parser.add_argument("--one-at-a-time-requests", type=int, default=4)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--skip-continuous", action="store_true", help="skip transformers' generate_batch (slow on CPU)"
+    )
     parser.add_argument("--quick", action="store_true", help="16 requests of 32 tokens")
     args = parser.parse_args()
     if args.quick:
@@ -128,29 +141,26 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 
     pagedserve_run(llm, prompts[:4], 4)  # warm-up
+    print("| system | requests | output tokens | seconds | output tok/s |")
+    print("|---|---:|---:|---:|---:|")
     ours, extra = pagedserve_run(llm, prompts, args.output_len)
-    results = [ours]
+    results = [report(ours)]
     if not args.skip_transformers:
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         with torch.inference_mode():
-            results.append(hf_one_at_a_time(hf, prompts[: args.one_at_a_time_requests], args.output_len))
-            results.append(hf_static_batches(hf, tokenizer, prompts, args.output_len, batch=32))
-            results.append(hf_continuous_batching(hf, prompts, args.output_len))
+            results.append(report(hf_one_at_a_time(hf, prompts[: args.one_at_a_time_requests], args.output_len)))
+            results.append(report(hf_static_batches(hf, tokenizer, prompts, args.output_len, batch=32)))
+            if not args.skip_continuous:
+                results.append(report(hf_continuous_batching(hf, prompts, args.output_len)))
     _, extra32 = pagedserve_run(llm, prompts[:32], args.output_len)
 
     gflops = measure_matmul_gflops()
     params = sum(p.numel() for p in llm.engine.loaded.model.parameters())
     ceiling = gflops * 1e9 / (2 * params)
     print()
-    print("| system | requests | output tokens | seconds | output tok/s | pagedserve speed-up |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for r in sorted(results, key=lambda r: r.name):
-        print(
-            f"| {r.name} | {r.requests} | {r.output_tokens} | {r.seconds:.1f} | {r.tokens_per_second:.1f} | "
-            f"{ours.tokens_per_second / r.tokens_per_second:.2f}x |"
-        )
-    print()
+    for r in results[1:]:
+        print(f"pagedserve vs {r.name}: {ours.tokens_per_second / r.tokens_per_second:.2f}x")
     print(
         f"fp32 matmul here: {gflops:.0f} GFLOP/s -> compute ceiling {ceiling:.0f} tok/s "
         f"for {params / 1e6:.0f}M params; "
@@ -158,7 +168,7 @@ def main() -> None:
     )
     print(
         f"share of engine step time outside the model forward: {extra['outside_forward']:.1%} "
-        f"({len(results) and ours.requests} requests), {extra32['outside_forward']:.1%} at 32 running requests"
+        f"({ours.requests} requests), {extra32['outside_forward']:.1%} at 32 running requests"
     )
     print(f"KV slots holding tokens at the peak: {extra['kv_use']:.1%} (peak running {extra['peak_running']})")
 
