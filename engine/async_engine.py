@@ -1,60 +1,44 @@
 """AsyncEngine: runs an LLMEngine on its own thread and streams its deltas into asyncio.
 
 Once started, only the engine thread touches the LLMEngine. Callers reach it through a thread-safe inbox
-(adds, aborts) and read each request's deltas from an asyncio queue that the thread fills with
+(adds, aborts, fail-alls) and read each request's deltas from an asyncio queue that the thread fills with
 `call_soon_threadsafe`. The exceptions are read-only: the tokenizer (encode_prompt, encode_chat) and the
 published `EngineSnapshot`.
+A full waiting queue is refused on the caller's thread (QueuePlaces), without waiting for a step to end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import queue
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 
-from engine.async_stream import EngineObserver, EngineSnapshot, EngineUnavailableError, RequestStream
+from engine.async_stream import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineObserver,
+    EngineSnapshot,
+    EngineUnavailableError,
+    FailAll,
+    QueuePlaces,
+    RequestSink,
+    RequestStream,
+    hand_over,
+)
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel
 from engine.outputs import SequenceDelta
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Message
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Sink:
-    """Where one request's deltas go: an asyncio queue living on `loop`."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[SequenceDelta | BaseException]
-    num_unfinished: int  # sequences (n) still to finish
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    arrival_time: float
-    sink: _Sink
-    reply: concurrent.futures.Future[None]
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-_Command = _Add | _Abort | None  # None: stop
 
 
 class AsyncEngine:
@@ -62,8 +46,9 @@ class AsyncEngine:
         """`make_engine` runs on the engine thread, so a server can listen while the model loads."""
         self._make_engine = make_engine
         self._engine: LLMEngine | None = None
-        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._sinks: dict[str, RequestSink] = {}  # engine thread only
+        self._queue_places = QueuePlaces(limit=0)  # sized once the engine has loaded
         self._observers: tuple[EngineObserver, ...] = ()
         self._snapshot = EngineSnapshot()
         self._lock = threading.Lock()  # orders submissions against stop and death
@@ -128,15 +113,27 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        queue_timeout: float | None = None,
+    ) -> RequestStream:
         """Queues a request and returns its stream of deltas (an AsyncIterator[SequenceDelta]).
 
         Bad input (ValueError, ContextLengthError) and a full queue (QueueFullError) raise here, before
-        any delta exists, so a server can still answer with an error status.
+        any delta exists, so a server can still answer with an error status. Still unscheduled after
+        `queue_timeout` or the config's max_queue_time, or unfinished after its request_timeout (seconds), the
+        request is aborted and its stream raises QueueTimeoutError or RequestTimeoutError (checked every step).
         """
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), params.n)
+        config = self.engine.config
+        start = time.monotonic()
+        sink = RequestSink(
+            asyncio.get_running_loop(), params.n, start, queue_timeout, config.max_queue_time, config.request_timeout
+        )
         reply: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(_Add(request_id, prompt, params, time.monotonic(), sink, reply))
+        self._submit(AddRequest(request_id, prompt, params, sink, reply))
         try:
             await asyncio.wrap_future(reply)
         except asyncio.CancelledError:
@@ -146,12 +143,17 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Ends a request; its stream gets final deltas with finish_reason "abort". Thread-safe."""
-        self._inbox.put(_Abort(request_id))
+        self._inbox.put(AbortRequest(request_id))
 
-    def _submit(self, command: _Add) -> None:
+    def fail_all(self, error: BaseException) -> None:
+        """Aborts every request in flight; their streams raise `error`. Thread-safe."""
+        self._inbox.put(FailAll(error))
+
+    def _submit(self, command: AddRequest) -> None:
         with self._lock:
             if not self._accepting:
                 raise EngineUnavailableError(self.unavailable_reason())
+            command.sink.take_places(self._queue_places)
             self._inbox.put(command)
 
     def unavailable_reason(self) -> str:
@@ -166,6 +168,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._engine = self._make_engine()
+            self._queue_places.limit = self._engine.config.max_queue_len
             with self._lock:
                 self._accepting = not self._stopped
             self._settled.set()
@@ -185,14 +188,16 @@ class AsyncEngine:
                 deltas += [d for request_id in list(self._sinks) for d in engine.abort_request(request_id)]
                 break
             deltas += self._execute(engine, command)
+        if not stopping:
+            deltas += self._check_queue_and_deadlines(engine)
         if not stopping and engine.has_unfinished_requests():
             deltas += self._step(engine)
         # Published before the deltas go out: whoever sees a delta sees this state of the engine or a newer one.
-        self._snapshot = _snapshot_of(engine)
+        self._snapshot = EngineSnapshot.of(engine)
         self._deliver(deltas)
         return not stopping
 
-    def _take_commands(self, block: bool) -> list[_Command]:
+    def _take_commands(self, block: bool) -> list[Command]:
         commands = [self._inbox.get()] if block else []
         while True:
             try:
@@ -200,20 +205,47 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _execute(self, engine: LLMEngine, command: _Add | _Abort) -> list[SequenceDelta]:
+    def _execute(self, engine: LLMEngine, command: AddRequest | AbortRequest | FailAll) -> list[SequenceDelta]:
         """Returns the deltas it produced (an abort's final ones)."""
-        if isinstance(command, _Abort):
+        if isinstance(command, AbortRequest):
             return engine.abort_request(command.request_id)
+        if isinstance(command, FailAll):
+            return [d for request_id in list(self._sinks) for d in self._fail(engine, request_id, command.error)]
         if not command.reply.set_running_or_notify_cancel():
+            command.sink.leave_queue()
             return []  # the caller stopped waiting before we got here: never add it
         try:
-            engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+            engine.add_request(command.request_id, command.prompt, command.params, command.sink.arrival)
         except Exception as exc:  # bad input or a full queue: the caller's error, not the engine's
+            command.sink.leave_queue()
             command.reply.set_exception(exc)
             return []
         self._sinks[command.request_id] = command.sink
         command.reply.set_result(None)
         return []
+
+    def _check_queue_and_deadlines(self, engine: LLMEngine) -> list[SequenceDelta]:
+        """Frees the queue places of requests the scheduler has admitted; fails those past a time limit."""
+        # Preempted requests wait again but were admitted once: they hold no queue places.
+        waiting = {r.parent_id for r in engine.scheduler.waiting if r.status is RequestStatus.WAITING}
+        now = time.monotonic()
+        deltas = []
+        for request_id, sink in list(self._sinks.items()):
+            if request_id not in waiting:
+                sink.leave_queue()
+            error = sink.expired(now)
+            if error is not None:
+                deltas += self._fail(engine, request_id, error)
+        return deltas
+
+    def _fail(self, engine: LLMEngine, request_id: str, error: BaseException) -> list[SequenceDelta]:
+        """Aborts a request and ends its stream with `error` instead of the abort's deltas."""
+        deltas = engine.abort_request(request_id)
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink.leave_queue()
+            sink.fail(error)
+        return deltas
 
     def _step(self, engine: LLMEngine) -> list[SequenceDelta]:
         tokens_before = engine.runner.num_tokens_processed
@@ -228,19 +260,18 @@ class AsyncEngine:
         """Hands deltas to their queues: one wake-up per event loop, however many deltas."""
         if not deltas:
             return
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, SequenceDelta]]]
-        batches = defaultdict(list)
+        handed: list[tuple[RequestSink, SequenceDelta]] = []
         for delta in deltas:
             sink = self._sinks.get(delta.request_id)
             if sink is None:
                 continue
-            batches[sink.loop].append((sink.queue, delta))
+            handed.append((sink, delta))
             if delta.finished:
                 sink.num_unfinished -= 1
                 if not sink.num_unfinished:
+                    sink.leave_queue()
                     del self._sinks[delta.request_id]
-        for loop, items in batches.items():
-            _call_soon(loop, _put_all, items)
+        hand_over(handed)
         now = time.monotonic()
         self._notify(lambda observer: observer.on_deltas(deltas, now))
 
@@ -258,30 +289,9 @@ class AsyncEngine:
             pending = self._take_commands(block=False)
         failure = EngineUnavailableError(self.unavailable_reason())
         for command in pending:
-            if isinstance(command, _Add) and command.reply.set_running_or_notify_cancel():
+            if isinstance(command, AddRequest) and command.reply.set_running_or_notify_cancel():
                 command.reply.set_exception(failure)
         for sink in self._sinks.values():
-            _call_soon(sink.loop, sink.queue.put_nowait, failure)
+            sink.fail(failure)
         self._sinks.clear()
         self._settled.set()
-
-
-def _snapshot_of(engine: LLMEngine) -> EngineSnapshot:
-    return EngineSnapshot(
-        num_running=engine.scheduler.num_running,
-        num_waiting=engine.scheduler.num_waiting,
-        kv_cache_usage=engine.kv.usage(),
-        prefix_cache_queries=engine.kv.prefix_queries,
-        prefix_cache_hits=engine.kv.prefix_hits,
-        num_preemptions=engine.scheduler.num_preemptions,
-    )
-
-
-def _put_all(items: Iterable[tuple[asyncio.Queue, SequenceDelta]]) -> None:
-    for deltas, delta in items:
-        deltas.put_nowait(delta)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args: object) -> None:
-    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is left to read these deltas
-        loop.call_soon_threadsafe(callback, *args)

@@ -1,16 +1,39 @@
-"""What AsyncEngine hands its callers: request streams, engine snapshots, observer hooks, its one error."""
+"""Between AsyncEngine's callers and its thread: the inbox's commands, both ends of a request's stream (the
+engine thread's sink, the caller's RequestStream), the waiting queue's places, snapshots, observers, errors."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.outputs import SequenceDelta
+from engine.sampling_params import SamplingParams
+from engine.scheduler import QueueFullError
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 
 class EngineUnavailableError(RuntimeError):
     """The engine takes no requests: it is still loading, it was shut down, or its thread died."""
+
+
+class QueueTimeoutError(TimeoutError):
+    """The request was not scheduled in time: within its own queue timeout (`requested`), or max_queue_time."""
+
+    def __init__(self, message: str, requested: bool) -> None:
+        super().__init__(message)
+        self.requested = requested
+
+
+class RequestTimeoutError(TimeoutError):
+    """The request did not finish within its timeout; it was aborted."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +47,17 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0  # tokens
     num_preemptions: int = 0
 
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineSnapshot:
+        return cls(
+            num_running=engine.scheduler.num_running,
+            num_waiting=engine.scheduler.num_waiting,
+            kv_cache_usage=engine.kv.usage(),
+            prefix_cache_queries=engine.kv.prefix_queries,
+            prefix_cache_hits=engine.kv.prefix_hits,
+            num_preemptions=engine.scheduler.num_preemptions,
+        )
+
 
 class EngineObserver:
     """Hooks run on the engine thread after each step; keep them cheap. The server's metrics use them."""
@@ -33,6 +67,119 @@ class EngineObserver:
 
     def on_deltas(self, deltas: list[SequenceDelta], now: float) -> None:
         """Deltas just handed to their requests (from a step or an abort); `now` is time.monotonic()."""
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    sink: RequestSink
+    reply: concurrent.futures.Future[None]
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class FailAll:
+    error: BaseException
+
+
+Command = AddRequest | AbortRequest | FailAll | None  # what callers put in the engine thread's inbox; None: stop
+
+
+@dataclass
+class RequestSink:
+    """The engine thread's end of one request's stream: an asyncio queue living on `loop`, and time limits."""
+
+    loop: asyncio.AbstractEventLoop
+    num_sequences: int  # n: what the request counts against max_queue_len while it waits
+    arrival: float  # time.monotonic()
+    queue_timeout: float | None = None  # the request's own limit on its wait to be scheduled, in seconds
+    max_queue_time: float | None = None  # the engine's limit on that wait
+    timeout: float | None = None  # seconds it may take in all
+    queue: asyncio.Queue[SequenceDelta | BaseException] = field(default_factory=asyncio.Queue)
+    num_unfinished: int = field(init=False)  # sequences still to finish
+    places: QueuePlaces | None = None  # the queue places it holds until first scheduled
+
+    def __post_init__(self) -> None:
+        self.num_unfinished = self.num_sequences
+
+    @property
+    def queued(self) -> bool:
+        return self.places is not None
+
+    def take_places(self, places: QueuePlaces) -> None:
+        places.take(self.num_sequences)
+        self.places = places
+
+    def leave_queue(self) -> None:
+        """Gives its queue places back (once): it has been scheduled, or it has ended."""
+        if self.places is not None:
+            self.places.free(self.num_sequences)
+            self.places = None
+
+    def expired(self, now: float) -> TimeoutError | None:
+        """The error to end the request with, if it has run past one of its limits."""
+        waited = now - self.arrival
+        if self.queued and self.queue_timeout is not None and waited >= self.queue_timeout:
+            return QueueTimeoutError(f"the request was not scheduled within its {self.queue_timeout:g} s", True)
+        if self.queued and self.max_queue_time is not None and waited >= self.max_queue_time:
+            return QueueTimeoutError(f"the request was not scheduled within {self.max_queue_time:g} s", False)
+        if self.timeout is not None and waited >= self.timeout:
+            return RequestTimeoutError(f"the request did not finish within {self.timeout:g} s")
+        return None
+
+    def fail(self, error: BaseException) -> None:
+        """Ends the caller's stream with `error` (thread-safe)."""
+        call_soon(self.loop, self.queue.put_nowait, error)
+
+
+class QueuePlaces:
+    """The waiting queue's bound, kept on the caller's side so that a full queue is refused at once.
+
+    Each of a request's n sequences takes a place, from submission until the scheduler first admits the
+    request. Thread-safe.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._taken = 0
+        self._lock = threading.Lock()
+
+    def take(self, num_sequences: int) -> None:
+        with self._lock:
+            if num_sequences > self.limit:
+                raise ValueError(f"n must be <= {self.limit} (the waiting queue's size), got {num_sequences}")
+            if self._taken + num_sequences > self.limit:
+                raise QueueFullError(f"the waiting queue is full: {self._taken} of {self.limit} sequences wait")
+            self._taken += num_sequences
+
+    def free(self, num_sequences: int) -> None:
+        with self._lock:
+            self._taken -= num_sequences
+
+
+def hand_over(items: list[tuple[RequestSink, SequenceDelta]]) -> None:
+    """Puts deltas on their sinks' queues: one thread-safe wake-up per event loop, however many deltas."""
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestSink, SequenceDelta]]] = defaultdict(list)
+    for sink, delta in items:
+        batches[sink.loop].append((sink, delta))
+    for loop, batch in batches.items():
+        call_soon(loop, _put_all, batch)
+
+
+def _put_all(batch: list[tuple[RequestSink, SequenceDelta]]) -> None:
+    for sink, delta in batch:
+        sink.queue.put_nowait(delta)
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args: object) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is left to read these deltas
+        loop.call_soon_threadsafe(callback, *args)
 
 
 class RequestStream(AsyncIterator[SequenceDelta]):

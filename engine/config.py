@@ -35,6 +35,8 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_queue_len: int = 1024
+    max_queue_time: float | None = None  # seconds a request may wait to be scheduled; then it fails (None: no limit)
+    request_timeout: float | None = None  # seconds a request may take in all; then it is aborted (None: no limit)
     max_logprobs: int = 20
     max_n: int = 16
 

@@ -10,7 +10,7 @@ from server import chat, completions, routes
 from server.context import VERSION, ServerSettings, ServingContext
 from server.errors import install_error_handlers
 from server.metrics import ServerMetrics
-from server.middleware import ApiKeyMiddleware, RequestContextMiddleware
+from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -23,11 +23,13 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     install_error_handlers(app)
     for module in (chat, completions, routes):
         app.include_router(module.router)
-    # Added innermost first: request ids and counts wrap everything, CORS answers preflights before auth.
+    # Added innermost first: request ids and counts wrap everything, CORS answers preflights before auth, and
+    # bodies are read only for authorized clients.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     if settings.cors_allowed_origins:
         origins = settings.cors_allowed_origins
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    app.add_middleware(RequestContextMiddleware, serving=app.state.serving)
     return app

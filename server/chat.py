@@ -11,7 +11,7 @@ from starlette.responses import Response
 from engine import CompletionOutput, SequenceDelta, TokenLogprob
 from server.context import ServingContext, serving
 from server.errors import to_api_error
-from server.generation import UsageCounter, collect, start_streams, unless_disconnected
+from server.generation import collect, start_streams, unless_disconnected
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest
 from server.responses import (
@@ -39,16 +39,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         prompt = engine.encode_chat(body.template_messages())
     except ValueError as exc:
         raise to_api_error(exc, "messages") from exc
-    request_id = request.state.request_id
-    streams = await start_streams(engine, ctx.engine_request_id(request_id), [prompt], params, "messages")
-    logger.info("request %s: chat, %d prompt tokens, n=%d, stream=%s", request_id, len(prompt), params.n, body.stream)
+    request_id, record = request.state.request_id, request.state.record
+    streams = await start_streams(engine, ctx.engine_request_id(request_id), [prompt], params, "messages", body.timeout)
+    logger.debug("request %s: chat, %d prompt tokens, n=%d, stream=%s", request_id, len(prompt), params.n, body.stream)
     reply = ChatReply(ctx, body)
-    usage = UsageCounter(prompt_tokens=len(prompt))
+    record.prompt_tokens = len(prompt)
     if body.stream:
-        events = sse_events(reply, streams, params.n, usage, body.include_usage)
+        events = sse_events(reply, streams, params.n, record, body.include_usage)
         return sse_response(events, streams)
-    outputs = await unless_disconnected(request, collect(streams, params.n, usage))
-    return reply.completion(outputs, usage.usage())
+    outputs = await unless_disconnected(request, collect(streams, params.n, record))
+    return reply.completion(outputs, record.usage())
 
 
 class ChatReply:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import threading
-import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import uvicorn
 
@@ -16,18 +16,19 @@ from engine.async_engine import AsyncEngine
 from engine.loader import EMBEDDED_NAME
 from server import offline
 from server.app import create_app
-from server.context import ServerSettings, ServingContext
+from server.context import ServerSettings
 from server.engine_args import add_engine_args, engine_config
+from server.logs import LOG_FORMATS, configure_logging
 from server.offline import LOG_LEVELS
+from server.shutdown import ABORT_GRACE_SECONDS, DrainingServer
 
 logger = logging.getLogger("pagedserve")
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    configure_logging(args.log_level, args.log_format)
     return args.run(args)
 
 
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser.print_help()
         return 2
 
-    parser.set_defaults(run=print_help, log_level="warning")
+    parser.set_defaults(run=print_help, log_level="warning", log_format="text")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_serve(commands)
     offline.add_commands(commands)
@@ -66,19 +67,57 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     http.add_argument("--cors-allowed-origins", nargs="*", default=[], metavar="ORIGIN", help="(default: none)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: info)")
+    http.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="json: one object per line, a request-log line per request and uvicorn's access log too (default: text)",
+    )
+    http.add_argument(
+        "--max-request-bytes", type=_positive(int), default=1 << 20, help="larger bodies get 413 (default: 1 MiB)"
+    )
+    http.add_argument(
+        "--shutdown-timeout",
+        type=_positive(float),
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long requests in flight may run on before they are aborted (default: 30)",
+    )
     add_engine_args(serve, exclude=frozenset({"served_model_name"}))
     serve.set_defaults(run=serve_command)
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = kind(text)
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    return parse
 
 
 def serve_command(args: argparse.Namespace) -> int:
     config = engine_config(args, model=args.model_path)
     names = args.served_model_name or [config.served_model_name or config.model or EMBEDDED_NAME]
-    settings = ServerSettings(names, api_key=args.api_key, cors_allowed_origins=args.cors_allowed_origins)
+    settings = ServerSettings(
+        names,
+        api_key=args.api_key,
+        cors_allowed_origins=args.cors_allowed_origins,
+        max_request_bytes=args.max_request_bytes,
+    )
     engine = AsyncEngine.from_config(config)
     app = create_app(engine, settings)
-    server = _DrainingServer(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), app.state.serving
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_config=None if args.log_format == "json" else uvicorn.config.LOGGING_CONFIG,  # None: ours, via root
+        timeout_graceful_shutdown=ABORT_GRACE_SECONDS,  # the drain has already run when uvicorn waits
     )
+    server = DrainingServer(uvicorn_config, app.state.serving, args.shutdown_timeout)
     engine.start()  # loads on its own thread while uvicorn starts listening: /ready says 503 until it is done
     threading.Thread(target=_stop_if_load_fails, args=(engine, server), daemon=True).start()
     try:
@@ -86,18 +125,6 @@ def serve_command(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0 if engine.is_healthy else 1
-
-
-class _DrainingServer(uvicorn.Server):
-    """Turns /ready to 503 the moment shutdown begins, so load balancers stop routing here first."""
-
-    def __init__(self, config: uvicorn.Config, serving: ServingContext) -> None:
-        super().__init__(config)
-        self._serving = serving
-
-    def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
-        self._serving.draining = True
-        super().handle_exit(sig, frame)
 
 
 def _stop_if_load_fails(engine: AsyncEngine, server: uvicorn.Server) -> None:

@@ -12,7 +12,7 @@ from engine import CompletionOutput, SequenceDelta, TokenLogprob
 from engine.async_engine import AsyncEngine
 from server.context import ServingContext, serving
 from server.errors import to_api_error
-from server.generation import UsageCounter, collect, start_streams, unless_disconnected
+from server.generation import collect, start_streams, unless_disconnected
 from server.logprobs import completion_logprobs, decode
 from server.protocol import CompletionRequest
 from server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
@@ -32,24 +32,23 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         prompts = [engine.encode_prompt(prompt) for prompt in body.prompts]
     except ValueError as exc:
         raise to_api_error(exc, "prompt") from exc
-    request_id = request.state.request_id
-    streams = await start_streams(engine, ctx.engine_request_id(request_id), prompts, params, "prompt")
-    num_prompt_tokens = sum(len(prompt) for prompt in prompts)
-    logger.info(
+    request_id, record = request.state.request_id, request.state.record
+    streams = await start_streams(engine, ctx.engine_request_id(request_id), prompts, params, "prompt", body.timeout)
+    record.prompt_tokens = sum(len(prompt) for prompt in prompts)
+    logger.debug(
         "request %s: completion, %d prompts, %d prompt tokens, n=%d, stream=%s",
         request_id,
         len(prompts),
-        num_prompt_tokens,
+        record.prompt_tokens,
         params.n,
         body.stream,
     )
     echoes = _echoes(engine, body, prompts)
     reply = CompletionReply(ctx, echoes, params.n)
-    usage = UsageCounter(prompt_tokens=num_prompt_tokens)
     if body.stream:
-        return sse_response(sse_events(reply, streams, params.n, usage, body.include_usage), streams)
-    outputs = await unless_disconnected(request, collect(streams, params.n, usage))
-    return reply.completion(outputs, usage.usage())
+        return sse_response(sse_events(reply, streams, params.n, record, body.include_usage), streams)
+    outputs = await unless_disconnected(request, collect(streams, params.n, record))
+    return reply.completion(outputs, record.usage())
 
 
 def _echoes(engine: AsyncEngine, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import time
@@ -27,6 +28,7 @@ class ServerSettings:
     served_model_names: list[str] = field(default_factory=lambda: [EMBEDDED_NAME])  # the first is reported
     api_key: str | None = None
     cors_allowed_origins: list[str] = field(default_factory=list)
+    max_request_bytes: int = 1 << 20  # larger bodies get 413
 
 
 class ServingContext:
@@ -41,6 +43,7 @@ class ServingContext:
         identity = f"{VERSION}:{self.model_name}".encode()
         self.system_fingerprint = "fp_" + hashlib.sha256(identity).hexdigest()[:10]
         self.draining = False  # set on shutdown, so /ready turns 503 before the listener closes
+        self.in_flight = 0  # requests that arrived before draining began (RequestContextMiddleware)
         self._sequence = itertools.count()
         self._token_texts: TokenTexts | None = None
 
@@ -54,6 +57,13 @@ class ServingContext:
         if not self.engine.is_ready:
             raise engine_unavailable(EngineUnavailableError(self.engine.unavailable_reason()))
         return self.engine
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Waits until no request is in flight (True), or `timeout` seconds (False)."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.in_flight
 
     def envelope(self, id_prefix: str) -> Envelope:
         """A new answer's id, creation time and model, for `chatcmpl-` or `cmpl-` objects."""

@@ -1,4 +1,10 @@
-"""OpenAI error JSON for every failure: {"error": {"message", "type", "param", "code"}}."""
+"""OpenAI error JSON for every failure: {"error": {"message", "type", "param", "code"}}.
+
+Overload and time limits (each one frees the request's KV blocks): a full queue is 503 `queue_full`; a request
+still unscheduled after --max-queue-time is 503 `queue_timeout`, both with Retry-After; one still unscheduled
+after its own `timeout` is 408 `timeout`; a generation past --request-timeout is aborted, 504 `request_timeout`.
+Once a stream has started, each of these comes as its final error event instead.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import ContextLengthError, QueueFullError, SamplingParams
-from engine.async_stream import EngineUnavailableError
+from engine.async_stream import EngineUnavailableError, QueueTimeoutError, RequestTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +33,18 @@ _VALIDATION_CODES = {
     "too_short": "empty_array",
     "literal_error": "invalid_value",
     "value_error": "invalid_value",
+    "greater_than": "invalid_value",
+    "greater_than_equal": "invalid_value",
+    "less_than": "invalid_value",
+    "less_than_equal": "invalid_value",
+    "finite_number": "invalid_value",
+    "too_long": "invalid_value",
+}
+_HTTP_CODES = {
+    400: "invalid_request_body",  # FastAPI could not read the body (e.g. not UTF-8)
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
 }
 _FIELD_AT_START = re.compile(r"^([a-z_]+) ")
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -88,12 +106,18 @@ def to_api_error(exc: ValueError | QueueFullError | EngineUnavailableError, prom
 
 
 def as_api_error(exc: Exception) -> APIError:
-    """Any failure once a response is under way (an SSE stream), as the error to report."""
+    """Any failure while generating (an SSE stream's, or a whole answer's), as the error to report."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineUnavailableError):
         return engine_unavailable(exc)
-    logger.error("streaming failed", exc_info=exc)
+    if isinstance(exc, QueueTimeoutError) and exc.requested:
+        return APIError(408, f"{exc} timeout: it was aborted", code="timeout", param="timeout")
+    if isinstance(exc, QueueTimeoutError):
+        return server_error(503, f"{exc}: the server is overloaded; retry later", "queue_timeout", _retry_after())
+    if isinstance(exc, RequestTimeoutError):
+        return server_error(504, f"{exc}: it was aborted", "request_timeout")
+    logger.error("generation failed", exc_info=exc)
     return server_error(500, "internal server error", "internal_error")
 
 
@@ -128,26 +152,41 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return _answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation_error(exc).response()
+        return _answer(request, from_validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = f"{request.method} {request.url.path}: {exc.detail}"
         headers = dict(exc.headers) if exc.headers else None
-        return APIError(exc.status_code, message, code=code, headers=headers).response()
+        return _answer(
+            request, APIError(exc.status_code, message, code=_HTTP_CODES.get(exc.status_code), headers=headers)
+        )
+
+    @app.exception_handler(EngineUnavailableError)
+    @app.exception_handler(QueueTimeoutError)
+    @app.exception_handler(RequestTimeoutError)
+    async def engine_error(request: Request, exc: Exception) -> JSONResponse:  # raised by a whole answer's stream
+        return _answer(request, as_api_error(exc))
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(request: Request, exc: ClientDisconnected) -> Response:
-        logger.info("request %s: the client hung up; its generation was aborted", request.state.request_id)
+        logger.debug("request %s: the client hung up; its generation was aborted", request.state.request_id)
+        request.state.record.error_code = "client_closed"
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         request_id = getattr(request.state, "request_id", None)
         logger.error("request %s failed", request_id, exc_info=exc)
-        return server_error(500, "internal server error", "internal_error").response()
+        return _answer(request, server_error(500, "internal server error", "internal_error"))
+
+
+def _answer(request: Request, error: APIError) -> JSONResponse:
+    record = getattr(request.state, "record", None)  # the request log's entry (RequestContextMiddleware)
+    if record is not None:
+        record.error_code = error.code
+    return error.response()

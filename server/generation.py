@@ -1,11 +1,10 @@
-"""What chat and completions share: starting engine requests, merging their streams, usage, disconnects."""
+"""What chat and completions share: starting engine requests, merging their streams, disconnects."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -14,21 +13,27 @@ from engine import CompletionOutput, QueueFullError, SamplingParams, SequenceDel
 from engine.async_engine import AsyncEngine
 from engine.async_stream import EngineUnavailableError, RequestStream
 from server.errors import ClientDisconnected, server_error, to_api_error
-from server.responses import PromptTokensDetails, Usage
+from server.logs import RequestRecord
 
 T = TypeVar("T")
 Streams = list[RequestStream]
 
 
 async def start_streams(
-    engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams, prompt_param: str
+    engine: AsyncEngine,
+    request_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    prompt_param: str,
+    queue_timeout: float | None,
 ) -> Streams:
     """One engine request per prompt, all or none: a refused prompt aborts those already started."""
     streams: Streams = []
     try:
+        check_engine_limits(engine, params)
         for index, prompt in enumerate(prompts):
             engine_id = request_id if len(prompts) == 1 else f"{request_id}/{index}"
-            streams.append(await engine.generate(engine_id, prompt, params))
+            streams.append(await engine.generate(engine_id, prompt, params, queue_timeout))
     except (ValueError, QueueFullError, EngineUnavailableError) as exc:
         close_all(streams)
         raise to_api_error(exc, prompt_param) from exc
@@ -36,6 +41,16 @@ async def start_streams(
         close_all(streams)
         raise
     return streams
+
+
+def check_engine_limits(engine: AsyncEngine, params: SamplingParams) -> None:
+    """Limits that depend on the engine's configuration, checked before the request takes queue places."""
+    max_n, max_model_len = engine.engine.config.max_n, engine.engine.max_model_len
+    if params.n > max_n:
+        raise ValueError(f"n must be <= {max_n}, got {params.n}")
+    # Up to max_model_len, max_tokens is clamped to the room the prompt leaves; beyond it, it can never fit.
+    if params.max_tokens is not None and params.max_tokens > max_model_len:
+        raise ValueError(f"max_tokens must be <= {max_model_len} (this model's context), got {params.max_tokens}")
 
 
 def close_all(streams: Streams) -> None:
@@ -84,34 +99,13 @@ def raise_if_failed(delta: SequenceDelta) -> None:
         raise server_error(500, message, "engine_error")
 
 
-@dataclass
-class UsageCounter:
-    prompt_tokens: int
-    completion_tokens: int = 0
-    cached_by_prompt: dict[int, int] = field(default_factory=dict)
-
-    def add(self, prompt_index: int, delta: SequenceDelta) -> None:
-        self.completion_tokens += len(delta.new_token_ids)
-        if delta.finished:
-            cached = max(self.cached_by_prompt.get(prompt_index, 0), delta.num_cached_tokens)
-            self.cached_by_prompt[prompt_index] = cached
-
-    def usage(self) -> Usage:
-        return Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            total_tokens=self.prompt_tokens + self.completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_by_prompt.values())),
-        )
-
-
-async def collect(streams: Streams, n: int, usage: UsageCounter) -> list[CompletionOutput]:
+async def collect(streams: Streams, n: int, record: RequestRecord) -> list[CompletionOutput]:
     """Whole outputs, indexed prompt-major like OpenAI (choice index = prompt index * n + sample)."""
     outputs = [CompletionOutput(index=i) for i in range(len(streams) * n)]
     async with contextlib.aclosing(merged(streams)) as deltas:
         async for prompt_index, delta in deltas:
             raise_if_failed(delta)
-            usage.add(prompt_index, delta)
+            record.add(prompt_index, delta)
             outputs[prompt_index * n + delta.index].extend(delta)
     return outputs
 

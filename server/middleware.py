@@ -9,20 +9,22 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.context import ServingContext
 from server.errors import APIError
-from server.metrics import ServerMetrics
+from server.logs import RequestRecord
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _VALID_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe in logs and headers
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no API key
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no API key (nor log lines)
 
 
 class RequestContextMiddleware:
-    """Names each request (the client's X-Request-Id, else a new one; echoed back) and counts responses."""
+    """Names each request (the client's X-Request-Id, else a new one; echoed back), counts it in flight for the
+    shutdown drain, and at its end counts its response and writes its request-log line."""
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, serving: ServingContext) -> None:
         self.app = app
-        self.metrics = metrics
+        self.serving = serving
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -30,21 +32,81 @@ class RequestContextMiddleware:
             return
         incoming = Headers(scope=scope).get(REQUEST_ID_HEADER, "")
         request_id = incoming if _VALID_REQUEST_ID.fullmatch(incoming) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-        status = 500  # what the client sees if the app fails before answering
+        record = RequestRecord(request_id, scope["method"], scope["path"])
+        scope.setdefault("state", {}).update(request_id=request_id, record=record)
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
             if message["type"] == "http.response.start":
-                status = message["status"]
+                record.status = message["status"]
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
             await send(message)
 
+        # Requests that arrive while draining are refused at once: the drain need not wait for them.
+        in_flight = 0 if self.serving.draining else 1
+        self.serving.in_flight += in_flight
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            self.serving.in_flight -= in_flight
             route = getattr(scope.get("route"), "path", "unmatched")  # the template, not the raw path
-            self.metrics.observe_http(route, scope["method"], status)
+            self.serving.metrics.observe_http(route, scope["method"], record.status)
+            if scope["path"] not in OPEN_PATHS:
+                record.log()
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over `max_bytes` with 413, before anything parses them.
+
+    The body is read here (up to the limit) and replayed to the app: a chunked body has no length to check
+    up front, and a limit hit halfway through the app's own read could no longer become a clean 413.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        message = await receive()
+        while message["type"] == "http.request":
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+            message = await receive()
+        record = _record(scope)
+        if record is not None:
+            record.received()
+        pending = [message]  # the whole body, or the disconnect that cut it short
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"the request body is over {self.max_bytes} bytes", code="request_too_large")
+        record = _record(scope)
+        if record is not None:
+            record.error_code = error.code
+        await error.response()(scope, receive, send)
+
+
+def _record(scope: Scope) -> RequestRecord | None:
+    """The request log's entry, when RequestContextMiddleware wraps this one."""
+    return scope.get("state", {}).get("record")
 
 
 class ApiKeyMiddleware:

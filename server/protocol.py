@@ -1,16 +1,25 @@
 """OpenAI request bodies. Unknown fields are ignored like OpenAI does; features we lack are refused clearly.
 
-Types are checked here; value ranges are checked once, by SamplingParams, whose messages name the field.
+Types and size limits are checked here; value ranges are checked once, by SamplingParams, whose messages
+name the field.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from engine import SamplingParams
+from engine.sampling_params import MAX_TOP_LOGPROBS
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256  # characters
+MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit: each one costs every step of the request
+
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 # Fields passed to SamplingParams as they are, when the client sets them.
 _SAMPLING_FIELDS = (
@@ -62,6 +71,24 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
+    timeout: Seconds | None = None  # the longest this request may wait to be scheduled (then 408)
+
+    @field_validator("stop")
+    @classmethod
+    def _few_short_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise PydanticCustomError("invalid_value", f"stop takes at most {MAX_STOP_STRINGS} strings")
+        if any(len(s) > MAX_STOP_LENGTH for s in stops):
+            raise PydanticCustomError("invalid_value", f"stop strings must be at most {MAX_STOP_LENGTH} characters")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bounded_logit_bias(cls, bias: dict[int, float] | None) -> dict[int, float] | None:
+        if bias is not None and len(bias) > MAX_LOGIT_BIAS:
+            raise PydanticCustomError("invalid_value", f"logit_bias takes at most {MAX_LOGIT_BIAS} entries")
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -118,7 +145,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -172,7 +199,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint (chat 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None
     suffix: str | None = None
     best_of: int | None = None
 

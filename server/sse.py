@@ -6,6 +6,7 @@ A stream that fails after it started cannot change its status any more: it ends 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Iterable
@@ -17,7 +18,8 @@ from starlette.background import BackgroundTask
 
 from engine import SequenceDelta
 from server.errors import as_api_error
-from server.generation import Streams, UsageCounter, close_all, merged, raise_if_failed
+from server.generation import Streams, close_all, merged, raise_if_failed
+from server.logs import RequestRecord
 from server.responses import Usage
 
 Event = dict[str, str]
@@ -41,7 +43,7 @@ def sse_response(events: AsyncIterator[Event], streams: Streams) -> EventSourceR
 
 
 async def sse_events(
-    formatter: ChunkFormatter, streams: Streams, n: int, usage: UsageCounter, include_usage: bool
+    formatter: ChunkFormatter, streams: Streams, n: int, record: RequestRecord, include_usage: bool
 ) -> AsyncIterator[Event]:
     exclude = None if include_usage else {"usage"}  # OpenAI sends "usage": null only when asked for usage
 
@@ -54,16 +56,21 @@ async def sse_events(
         async with contextlib.aclosing(merged(streams)) as deltas:
             async for prompt_index, delta in deltas:
                 raise_if_failed(delta)
-                usage.add(prompt_index, delta)
+                record.add(prompt_index, delta)
                 choice = prompt_index * n + delta.index
                 content = formatter.on_delta(choice, delta)
                 if content is not None:
                     yield event(content)
                 if delta.finish_reason is not None:
                     yield event(formatter.on_finish(choice, delta.finish_reason))
+    except asyncio.CancelledError:  # the client hung up: the stream is being torn down
+        record.error_code = "client_closed"
+        raise
     except Exception as exc:
-        yield {"data": json.dumps(as_api_error(exc).body())}
+        error = as_api_error(exc)
+        record.error_code = error.code
+        yield {"data": json.dumps(error.body())}
         return
     if include_usage:
-        yield event(formatter.on_usage(usage.usage()))
+        yield event(formatter.on_usage(record.usage()))
     yield {"data": "[DONE]"}

@@ -120,10 +120,12 @@ def test_prompt_too_long_names_both_lengths(url: str) -> None:
 
 
 def test_max_tokens_is_clamped_to_the_room_left(url: str) -> None:
-    response = complete(url, prompt=[42] * 124, max_tokens=1000, ignore_eos=True)
+    response = complete(url, prompt=[42] * 124, max_tokens=128, ignore_eos=True)
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "length"
+    message = assert_error(complete(url, prompt="Hi", max_tokens=129), 400, "invalid_value", "max_tokens")
+    assert "128" in message  # more than the whole context can never fit
 
 
 def test_full_queue_is_503_with_retry_after(url: str) -> None:

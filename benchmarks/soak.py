@@ -1,0 +1,200 @@
+"""Soak: minutes of mixed traffic with clients that hang up at random, then what it left behind.
+
+Starts a server on 127.0.0.1 in this process and runs concurrent clients against it: mostly streaming
+completions and chats of random lengths, some with n=2, some with a short queue `timeout`; a share of the
+requests hang up at a random point. At the end it reports lost KV blocks (referenced with nothing running),
+answers that were neither complete nor a clean error (5xx other than the deliberate 503s included), and the
+growth of this process's RSS after warm-up.
+
+    python -m benchmarks.soak [--minutes 10] [--clients 16] [--hang-up-share 0.33] [any engine flag]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: import the project's packages, not this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import httpx
+import psutil
+
+from engine.async_engine import AsyncEngine
+from server import ServerSettings, create_app
+from server.background import BackgroundServer
+from server.engine_args import add_engine_args, engine_config
+
+MODEL = "soak"
+WORDS = ["the", "a", "cat", "sat", "on", "mat", "and", "then", "it", "ran", "far", "away", "to", "find", "tea"]
+DELIBERATE = {"queue_full": 503, "queue_timeout": 503, "timeout": 408}  # shed load, or the client's own timeout
+BACKOFF_SECONDS = (0.2, 1.0)  # after a deliberate 503 or 408, like a client honouring Retry-After
+IDLE_TIMEOUT = 60.0  # seconds for the engine to settle once traffic stops
+
+
+@dataclass
+class SoakReport:
+    seconds: float = 0.0
+    requests: int = 0
+    completed: int = 0
+    hung_up: int = 0
+    deliberate: int = 0  # 503 queue_full / queue_timeout, 408 timeout: answers or final error events
+    failures: list[str] = field(default_factory=list)  # anything else
+    running_after: int = 0
+    kv_usage_after: float = 0.0
+    lost_blocks: int = 0  # referenced with no request left
+    rss_growth_mb: float = 0.0  # from the end of warm-up to the end
+
+    def lines(self) -> list[str]:
+        rate = self.requests / self.seconds if self.seconds else 0.0
+        return [
+            f"{self.requests} requests in {self.seconds:.0f} s ({rate:.1f}/s): {self.completed} complete, "
+            f"{self.hung_up} hung up, {self.deliberate} deliberate 503/408",
+            f"failures (5xx other than deliberate 503s, broken answers): {len(self.failures)}",
+            *(f"  {failure}" for failure in self.failures[:10]),
+            f"after: {self.running_after} requests unfinished, KV usage {self.kv_usage_after:.3f}, "
+            f"{self.lost_blocks} lost blocks",
+            f"RSS growth after warm-up: {self.rss_growth_mb:+.1f} MB",
+        ]
+
+
+def random_request(rng: random.Random) -> tuple[str, dict]:
+    text = " ".join(rng.choices(WORDS, k=rng.randint(2, 40)))
+    body: dict = {"model": MODEL, "max_tokens": rng.randint(1, 32), "stream": rng.random() < 0.8}
+    if rng.random() < 0.2:
+        body["n"] = 2
+    if rng.random() < 0.1:
+        body["timeout"] = rng.uniform(0.05, 1.0)
+    if rng.random() < 0.5:
+        return "/v1/completions", {**body, "prompt": text}
+    return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
+
+
+def judge_error(status: int | None, body: dict, report: SoakReport, what: str) -> bool:
+    """An error answer (`status`) or a stream's final error event (None): True when it was deliberate."""
+    error = body.get("error")
+    if not isinstance(error, dict) or not isinstance(error.get("code"), str):
+        report.failures.append(f"{what}: {status} without an OpenAI error: {str(body)[:200]}")
+    elif error["code"] in DELIBERATE and status in (None, DELIBERATE[error["code"]]):
+        report.deliberate += 1
+        return True
+    else:
+        report.failures.append(f"{what}: {status} {error['code']}: {error.get('message')}")
+    return False
+
+
+async def one_request(client: httpx.AsyncClient, rng: random.Random, hang_up_share: float, report: SoakReport) -> bool:
+    """Returns True when the server asked to back off."""
+    path, body = random_request(rng)
+    hang_up_after = rng.randint(1, 6) if rng.random() < hang_up_share else None  # events, or seconds / 6
+    what = f"{path} stream={body['stream']} n={body.get('n', 1)}"
+    report.requests += 1
+    if not body["stream"]:
+        try:
+            wait = None if hang_up_after is None else hang_up_after / 6
+            response = await asyncio.wait_for(client.post(path, json=body), wait)
+        except asyncio.TimeoutError:
+            report.hung_up += 1
+            return False
+        if response.status_code != 200:
+            return judge_error(response.status_code, response.json(), report, what)
+        choices = response.json()["choices"]
+        if len(choices) == body.get("n", 1) and all(c["finish_reason"] for c in choices):
+            report.completed += 1
+        else:
+            report.failures.append(f"{what}: incomplete answer {response.text[:200]}")
+        return False
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            return judge_error(response.status_code, json.loads(await response.aread()), report, what)
+        events = []
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                if len(events) == hang_up_after:
+                    report.hung_up += 1
+                    return False  # leaving the block mid-stream closes the connection
+    if events and events[-1] == "[DONE]":
+        report.completed += 1
+    elif events and "error" in json.loads(events[-1]):
+        return judge_error(None, json.loads(events[-1]), report, what)
+    else:
+        report.failures.append(f"{what}: the stream ended without [DONE] or an error: {events[-2:]}")
+    return False
+
+
+async def client_loop(url: str, seed: int, deadline: float, hang_up_share: float, report: SoakReport) -> None:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        while time.monotonic() < deadline:
+            try:
+                if await one_request(client, rng, hang_up_share, report):
+                    await asyncio.sleep(rng.uniform(*BACKOFF_SECONDS))
+            except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+                report.failures.append(f"client {seed}: {exc!r}")
+
+
+def wait_idle(engine: AsyncEngine, timeout: float = IDLE_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.engine.num_unfinished_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.1)  # the engine thread publishes its snapshot after the last delta
+
+
+def soak(
+    url: str, engine: AsyncEngine, seconds: float, clients: int = 16, hang_up_share: float = 1 / 3, seed: int = 0
+) -> SoakReport:
+    """Runs the traffic for `seconds` (the first fifth is warm-up), waits for the engine to settle, reports."""
+    report = SoakReport()
+    process = psutil.Process()
+    start = time.monotonic()
+
+    async def traffic() -> int:
+        """Returns the RSS at the end of warm-up."""
+        deadline = start + seconds
+        loops = [client_loop(url, seed * 1000 + i, deadline, hang_up_share, report) for i in range(clients)]
+        tasks = [asyncio.ensure_future(loop) for loop in loops]
+        await asyncio.sleep(seconds / 5)
+        rss = process.memory_info().rss
+        await asyncio.gather(*tasks)
+        return rss
+
+    rss_after_warm_up = asyncio.run(traffic())
+    report.seconds = time.monotonic() - start
+    wait_idle(engine)
+    kv = engine.engine.kv
+    report.running_after = engine.engine.num_unfinished_requests
+    report.kv_usage_after = kv.usage()
+    report.lost_blocks = sum(1 for block in kv.pool.blocks if block.ref_cnt > 0)
+    report.rss_growth_mb = (process.memory_info().rss - rss_after_warm_up) / 2**20
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--hang-up-share", type=float, default=1 / 3)
+    parser.add_argument("--traffic-seed", type=int, default=0, help="the clients' random choices")
+    add_engine_args(parser)
+    args = parser.parse_args()
+    engine = AsyncEngine.from_config(engine_config(args)).start()
+    if not engine.wait_ready():
+        sys.exit(f"the engine failed to load: {engine.unavailable_reason()}")
+    try:
+        with BackgroundServer(create_app(engine, ServerSettings([MODEL]))) as server:
+            report = soak(server.url, engine, args.minutes * 60, args.clients, args.hang_up_share, args.traffic_seed)
+    finally:
+        engine.shutdown()
+    print("\n".join(report.lines()))
+    sys.exit(1 if report.failures or report.lost_blocks or report.running_after else 0)
+
+
+if __name__ == "__main__":
+    main()
