@@ -106,7 +106,10 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str, log_format: str = "text") -> None:
-    """The root logger's one handler. In JSON, uvicorn's loggers must propagate here (uvicorn log_config=None)."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    """In JSON, the root logger's only handler is ours (uvicorn's loggers propagate to it: log_config=None)."""
+    if log_format == "json":
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonFormatter())
+        logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    else:
+        logging.basicConfig(level=level.upper(), format=TEXT_FORMAT)
