@@ -39,6 +39,16 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
+    def num_stored_tokens(self, requests: list[Request]) -> int:
+        """Distinct tokens held in KV by these requests: a block shared by several (a cached prefix, the prompt of
+        parallel samples) counts once, filled as far as its furthest holder has computed."""
+        filled: dict[int, int] = {}
+        for request in requests:
+            for index, block in enumerate(self.req_blocks.get(request.request_id, ())):
+                tokens = min(self.block_size, max(0, request.num_computed_tokens - index * self.block_size))
+                filled[block.block_id] = max(filled.get(block.block_id, 0), tokens)
+        return sum(filled.values())
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 

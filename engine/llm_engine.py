@@ -293,7 +293,7 @@ class LLMEngine:
         slots = (self.kv.num_blocks - self.kv.pool.num_free) * self.kv.block_size
         if slots > stats.peak_kv_slots:
             stats.peak_kv_slots = slots
-            stats.peak_kv_tokens = sum(r.num_computed_tokens for r in self.scheduler.running)
+            stats.peak_kv_tokens = self.kv.num_stored_tokens(self.scheduler.running)
 
     # ---- convenience -------------------------------------------------------------------------------
 

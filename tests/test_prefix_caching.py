@@ -74,6 +74,17 @@ def test_parallel_samples_share_prompt_blocks_and_copy_on_write(tiny_llama_loade
     assert engine.kv.pool.num_free == engine.kv.num_blocks
 
 
+def test_stored_tokens_count_shared_blocks_once(tiny_llama_loaded: LoadedModel) -> None:
+    engine = make_engine(tiny_llama_loaded)
+    engine.add_request("n", prompt(37), SamplingParams(n=4, max_tokens=6, seed=3))
+    engine.step()
+    engine.step()  # four samples: two shared full blocks, four private copies of the partial block
+    samples = engine.scheduler.running
+    assert engine.kv.num_stored_tokens(samples) == 32 + 4 * (5 + 1)  # the first sampled token is in KV
+    run(engine, {})
+    assert engine.stats.peak_kv_tokens <= engine.stats.peak_kv_slots
+
+
 def test_parallel_samples_equal_seeded_single_requests(tiny_llama_loaded: LoadedModel) -> None:
     together = run(make_engine(tiny_llama_loaded), {"n": (prompt(37), SamplingParams(n=4, max_tokens=6, seed=3))})
     singles = run(
