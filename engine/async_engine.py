@@ -28,6 +28,7 @@ from engine.async_stream import (
     QueuePlaces,
     RequestSink,
     RequestStream,
+    ResetPrefixCache,
     hand_over,
 )
 from engine.config import EngineConfig
@@ -149,6 +150,18 @@ class AsyncEngine:
         """Aborts every request in flight; their streams raise `error`. Thread-safe."""
         self._inbox.put(FailAll(error))
 
+    async def reset_prefix_cache(self) -> int:
+        """Forgets the prefix cache between two steps; returns how many cached blocks it dropped.
+
+        Requests in flight keep their blocks; only later requests stop finding them.
+        """
+        reply: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._lock:
+            if not self._accepting:
+                raise EngineUnavailableError(self.unavailable_reason())
+            self._inbox.put(ResetPrefixCache(reply))
+        return await asyncio.wrap_future(reply)
+
     def _submit(self, command: AddRequest) -> None:
         with self._lock:
             if not self._accepting:
@@ -205,10 +218,15 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _execute(self, engine: LLMEngine, command: AddRequest | AbortRequest | FailAll) -> list[SequenceDelta]:
+    def _execute(
+        self, engine: LLMEngine, command: AddRequest | AbortRequest | FailAll | ResetPrefixCache
+    ) -> list[SequenceDelta]:
         """Returns the deltas it produced (an abort's final ones)."""
         if isinstance(command, AbortRequest):
             return engine.abort_request(command.request_id)
+        if isinstance(command, ResetPrefixCache):
+            command.reply.set_result(engine.reset_prefix_cache())
+            return []
         if isinstance(command, FailAll):
             return [d for request_id in list(self._sinks) for d in self._fail(engine, request_id, command.error)]
         if not command.reply.set_running_or_notify_cancel():
@@ -289,7 +307,7 @@ class AsyncEngine:
             pending = self._take_commands(block=False)
         failure = EngineUnavailableError(self.unavailable_reason())
         for command in pending:
-            if isinstance(command, AddRequest) and command.reply.set_running_or_notify_cancel():
+            if isinstance(command, AddRequest | ResetPrefixCache) and command.reply.set_running_or_notify_cancel():
                 command.reply.set_exception(failure)
         for sink in self._sinks.values():
             sink.fail(failure)

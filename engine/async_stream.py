@@ -88,7 +88,13 @@ class FailAll:
     error: BaseException
 
 
-Command = AddRequest | AbortRequest | FailAll | None  # what callers put in the engine thread's inbox; None: stop
+@dataclass
+class ResetPrefixCache:
+    reply: concurrent.futures.Future[int]  # how many cached blocks were forgotten
+
+
+# What callers put in the engine thread's inbox; None: stop.
+Command = AddRequest | AbortRequest | FailAll | ResetPrefixCache | None
 
 
 @dataclass

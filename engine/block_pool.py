@@ -130,13 +130,15 @@ class BlockPool:
         block.epoch = next(self._epochs)
         self.cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every unreferenced cached block; refuses (False) while any block is in use."""
-        if self.num_free != self.num_blocks:
-            return False
-        for block in self.blocks:
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached block and returns how many there were.
+
+        Blocks in use stay with their requests, only no longer findable: no later request can share them.
+        """
+        forgotten = len(self.cached)
+        for block in list(self.cached.values()):
             self._evict(block)
-        return True
+        return forgotten
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:

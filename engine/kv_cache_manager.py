@@ -123,7 +123,7 @@ class KVCacheManager:
         self._num_registered.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
 
     def _register_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:

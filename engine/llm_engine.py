@@ -297,5 +297,5 @@ class LLMEngine:
 
     # ---- convenience -------------------------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()

@@ -78,6 +78,13 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     return DetokenizeResponse(prompt=decode(engine.engine.tokenizer, body.tokens))
 
 
+@router.post("/reset_prefix_cache", tags=["admin"])
+async def reset_prefix_cache(request: Request) -> dict[str, int]:
+    """Drops every cached prefix block (e.g. between benchmark runs); requests in flight carry on unaffected."""
+    forgotten = await serving(request).ready_engine().reset_prefix_cache()
+    return {"forgotten_blocks": forgotten}
+
+
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
     return Response(serving(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

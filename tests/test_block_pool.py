@@ -123,11 +123,16 @@ def test_shared_blocks_are_ref_counted() -> None:
     assert_pool_consistent(manager.pool)
 
 
-def test_reset_prefix_cache_only_when_idle() -> None:
-    manager = KVCacheManager(num_blocks=4, block_size=2)
-    request = make_request("a", [1, 2, 3])
-    manager.allocate_slots(request, 3)
-    assert not manager.reset_prefix_cache()
-    manager.free(request)
-    assert manager.reset_prefix_cache()
+def test_reset_prefix_cache_forgets_every_block_even_in_use() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=2)
+    done, running = make_request("done", [1, 2, 3, 4, 5]), make_request("running", [6, 7, 8, 9, 10])
+    for request in (done, running):
+        manager.allocate_slots(request, 5)  # registers its two full blocks
+    manager.free(done)
+    assert manager.reset_prefix_cache() == 4
     assert not manager.pool.cached
+    assert manager.get_computed_blocks(make_request("again", [1, 2, 3, 4, 5])) == ([], 0)
+    assert manager.get_computed_blocks(make_request("shared", [6, 7, 8, 9, 10])) == ([], 0)
+    manager.free(running)
+    assert manager.pool.num_free == 8
+    assert_pool_consistent(manager.pool)

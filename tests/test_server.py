@@ -65,6 +65,21 @@ def test_chat_completion(client: openai.OpenAI) -> None:
     assert usage.prompt_tokens_details.cached_tokens >= 0
 
 
+def test_cached_tokens_and_reset_prefix_cache(client: openai.OpenAI, url: str) -> None:
+    messages = [{"role": "system", "content": "Answer briefly. " * 24}, *HELLO]  # several full blocks
+
+    def cached_tokens() -> int:
+        usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        return usage.prompt_tokens_details.cached_tokens or 0
+
+    cached_tokens()
+    assert cached_tokens() >= 64
+    reset = httpx.post(f"{url}/reset_prefix_cache")
+    assert reset.status_code == 200 and reset.json()["forgotten_blocks"] >= 4
+    assert cached_tokens() == 0
+
+
 def test_chat_accepts_text_parts_and_aliases(client: openai.OpenAI) -> None:
     parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello."}]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]

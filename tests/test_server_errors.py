@@ -150,8 +150,10 @@ def test_api_key_guards_every_route_but_probes_and_metrics(secured_url: str) -> 
     assert_error(httpx.get(f"{secured_url}/v1/models"), 401, "invalid_api_key")
     wrong = {"Authorization": "Bearer nope"}
     assert_error(httpx.post(f"{secured_url}/tokenize", json={"prompt": "a"}, headers=wrong), 401, "invalid_api_key")
+    assert_error(httpx.post(f"{secured_url}/reset_prefix_cache"), 401, "invalid_api_key")
     right = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(f"{secured_url}/v1/models", headers=right).status_code == 200
+    assert httpx.post(f"{secured_url}/reset_prefix_cache", headers=right).status_code == 200
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(f"{secured_url}{path}").status_code == 200
     with pytest.raises(openai.AuthenticationError):
