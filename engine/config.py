@@ -64,6 +64,8 @@ class EngineConfig:
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "> 0"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1"),
+            (self.max_queue_time is None or self.max_queue_time > 0, "max_queue_time", "> 0 seconds"),
+            (self.request_timeout is None or self.request_timeout > 0, "request_timeout", "> 0 seconds"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -46,6 +46,15 @@ def test_every_shipped_config_is_valid() -> None:
         assert isinstance(EngineConfig.from_yaml(path), EngineConfig)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "rule"),
+    [("max_queue_time", 0.0, "> 0 seconds"), ("request_timeout", -1.0, "> 0 seconds"), ("block_size", 12, "power")],
+)
+def test_invalid_engine_config_names_the_field(field: str, value: object, rule: str) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be {rule}"):
+        EngineConfig(**{field: value})
+
+
 def test_serve_options() -> None:
     args = parse("serve", "my/model", "--served-model-name", "a", "b", "--api-key", "k", "--port", "9000")
     assert engine_config(args, model=args.model_path).model == "my/model"
