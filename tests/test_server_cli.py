@@ -48,7 +48,11 @@ def test_every_shipped_config_is_valid() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value", "rule"),
-    [("max_queue_time", 0.0, "> 0 seconds"), ("request_timeout", -1.0, "> 0 seconds"), ("block_size", 12, "power")],
+    [
+        ("max_queue_time", 0.0, "> 0 seconds"),
+        ("request_timeout", -1.0, "> 0 seconds"),
+        ("block_size", 12, "a power of two"),
+    ],
 )
 def test_invalid_engine_config_names_the_field(field: str, value: object, rule: str) -> None:
     with pytest.raises(ValueError, match=f"{field} must be {rule}"):
