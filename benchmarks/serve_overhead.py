@@ -6,7 +6,7 @@ Starts a server on 127.0.0.1 in this process, streams completions from it, and r
 - TTFT overhead: the client's time to first token minus the prefill step that produced it (target < 15 ms);
 - chunk gap / step: the mean gap between streamed chunks over the mean decode step (target <= 1.10).
 
-    python -m benchmarks.serve [--prompt-tokens 256] [--max-tokens 64] [--runs 5] [any engine flag]
+    python -m benchmarks.serve_overhead [--prompt-tokens 256] [--max-tokens 64] [--runs 5] [any engine flag]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The `pagedserve` command: `serve` (OpenAI-compatible HTTP server), `generate` and `chat` (offline)."""
+"""The `pagedserve` command: `serve` (OpenAI-compatible HTTP server), `generate` and `chat` (offline), `bench`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from engine.async_engine import AsyncEngine
 from engine.loader import EMBEDDED_NAME
 from server import offline
 from server.app import create_app
+from server.benchmark.command import add_bench_commands
 from server.context import ServerSettings
 from server.engine_args import add_engine_args, engine_config
 from server.logs import LOG_FORMATS, configure_logging
@@ -43,7 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_serve(commands)
     offline.add_commands(commands)
+    _add_bench(commands)
     return parser
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmark a running server", description="Benchmark a running server.")
+    add_bench_commands(bench)
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
