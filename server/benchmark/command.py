@@ -9,8 +9,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
+
 from server.benchmark.config import ENDPOINT_TYPES, SLO_METRICS, WORKLOADS, BenchmarkConfig
 from server.benchmark.report import format_table
+from server.benchmark.runner import run_benchmark
 
 DESCRIPTION = "Load-test any OpenAI-compatible server: streamed requests, TTFT/TPOT/ITL/E2E and throughput."
 DEFAULT = "(default: %(default)s)"
@@ -100,14 +103,6 @@ def parse_slos(items: Sequence[str]) -> dict[str, float]:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    # Imported here: httpx is not among the server's own dependencies, and `pagedserve serve` must start without it.
-    try:
-        import httpx
-
-        from server.benchmark.runner import run_benchmark
-    except ImportError as exc:
-        print(f"pagedserve bench serve needs {exc.name}: pip install {exc.name}", file=sys.stderr)
-        return 1
     try:
         config = config_from_args(args)
         result = run_benchmark(config)

@@ -61,4 +61,6 @@ class BenchmarkConfig:
     def as_dict(self) -> dict[str, Any]:
         config = dataclasses.asdict(self)
         config.pop("api_key")  # results get shared; the key must not travel with them
+        if math.isinf(self.request_rate):
+            config["request_rate"] = "inf"  # strict JSON has no Infinity
         return config
