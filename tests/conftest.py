@@ -7,6 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the engine's default (engine/__init__.py); torch loads first here
+
 import torch
 
 # Triton chooses between compiling and interpreting when first imported: without CUDA, interpret (on CPU
