@@ -1,0 +1,603 @@
+"""Online serving, side by side: pagedserve, `transformers serve` and llama.cpp's `llama-server` on one model.
+
+    python benchmarks/compare.py                                     # all three, rates 1,2,4,8,inf
+    python benchmarks/compare.py --servers pagedserve,llama.cpp --rates 2,inf --num-prompts 32
+    python benchmarks/compare.py --num-prompts 8 --rates inf --max-output-len 16     # a smoke run
+
+Each server in turn is started on 127.0.0.1 (its log under OUT_DIR/logs), loaded with the embedded
+SmolLM2-135M-Instruct, swept over the request rates with the `server.benchmark` load generator (streamed chat
+completions, greedy, ignore_eos: every request generates exactly its max_tokens), then stopped:
+
+  pagedserve    `pagedserve serve`, float32 on CPU, max_num_seqs = --parallel.
+  transformers  `transformers serve --continuous-batching`, float32 on CPU, on the same converted checkpoint;
+                its KV cache holds --parallel full-length sequences (it has no max-sequences flag).
+  llama.cpp     `llama-server -np --parallel` (continuous batching) on the GGUF file itself. The file is Q4_1:
+                llama.cpp computes with the 4-bit weights, the other two with them dequantized to float32.
+
+All three see the same workload (seed, lengths, prompt bodies; only the 8-word prefix that defeats prefix
+caches across runs is new each run) and the same CPU threads (--threads). Requests go through a small body
+rewriter: max_tokens is capped at --max-output-len, and `transformers serve` (which answers 422 to fields it
+does not know) gets ignore_eos as a per-request generation_config whose eos_token_id is -1.
+
+Writes OUT_DIR/compare.json (every result and the server commands), compare.md (the table, also printed) and
+compare_throughput.png, compare_latency.png (p50/p99 TTFT and TPOT against the request rate).
+
+Building llama-server (without one on PATH or given with --llama-server, llama.cpp is skipped): the
+llama-cpp-python source release vendors llama.cpp. It needs cmake and a C++17 compiler, and no network at
+build time (the web UI is left out rather than downloaded). About 30 minutes on 2 busy cores.
+
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/llamacpp
+    tar -xzf /tmp/llamacpp/llama_cpp_python-0.3.36.tar.gz -C /tmp/llamacpp
+    cmake -S /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp -B /tmp/llamacpp/build \\
+        -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON \\
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \\
+        -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+    nice -n 19 cmake --build /tmp/llamacpp/build --target llama-server -j2
+    install -D /tmp/llamacpp/build/bin/llama-server /tmp/llama-server/bin/llama-server
+    python benchmarks/compare.py --llama-server /tmp/llama-server/bin/llama-server
+
+(With older llama-cpp-python releases, whose llama.cpp has no UI options and downloads models with libcurl,
+use -DLLAMA_CURL=OFF instead of the last line of options.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+if not __package__:  # run as a file: import the project, not benchmarks/kernels.py as `kernels`
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import httpx
+
+from engine.loader import embedded_gguf_path, materialize_gguf
+from server.benchmark import BenchmarkConfig, run_benchmark_async
+
+SERVERS = ("pagedserve", "transformers", "llama.cpp")
+HOST = "127.0.0.1"
+READY_TIMEOUT_S = 600.0  # loading, plus materializing the checkpoint on a first run
+STOP_TIMEOUT_S = 20.0
+TEMPLATE_TOKENS = 64  # the chat template (with its default system prompt) on top of the workload's tokens
+LLAMA_BUILD_HELP = (__doc__ or "")[(__doc__ or "").index("Building llama-server") :]
+Rewrite = Callable[[dict[str, Any]], None]
+
+
+# ---------------------------------------------------------------------------------------------------- servers
+
+
+class ManagedServer:
+    """A server subprocess in its own session: Ctrl-C reaches only this script, which then stops it."""
+
+    def __init__(self, name: str, argv: list[str], ready_url: str, log_path: Path, env: dict[str, str]) -> None:
+        self.name, self.argv, self.ready_url, self.log_path, self.env = name, argv, ready_url, log_path, env
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ManagedServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> float:
+        """Seconds until ready_url answered 200; raises when the process exits or time runs out."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.process is None or self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited while starting; its log ends:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.ready_url, timeout=5.0).status_code == 200:
+                    return time.monotonic() - start
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s; its log ends:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM to the whole process group, SIGKILL if it lingers."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, STOP_TIMEOUT_S), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(wait_s)
+                return
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@dataclass
+class ServerSpec:
+    """How to start one server kind and talk to it."""
+
+    name: str
+    argv: list[str]
+    ready_path: str
+    port: int
+    model: str | None = None  # None: the first id of GET /v1/models
+    env: dict[str, str] = field(default_factory=dict)
+    rewrite: Rewrite | None = None  # extra request-body changes this server needs
+    version: str = ""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+
+@dataclass
+class Model:
+    gguf: Path
+    checkpoint: Path  # the GGUF converted to a transformers checkpoint (safetensors + tokenizer)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    # HF_HUB_OFFLINE: everything is local; a hub lookup would only wait on a network that may not be there.
+    pinned = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    return {**os.environ, **pinned}
+
+
+def console_script(name: str) -> str | None:
+    """The venv's own script first, so the servers run on this interpreter's packages."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
+def slot_context(args: argparse.Namespace) -> int:
+    """Tokens one sequence may need: the workload's longest request plus the chat template."""
+    longest = max(BenchmarkConfig().max_model_len, args.prefix_len + args.input_len + args.max_output_len)
+    return math.ceil((longest + TEMPLATE_TOKENS) / 256) * 256  # llama.cpp pads a slot to 256 tokens anyway
+
+
+def pagedserve_spec(args: argparse.Namespace, model: Model) -> ServerSpec:
+    port = free_port()
+    argv = [
+        console_script("pagedserve") or "pagedserve",
+        "serve",
+        "--host", HOST,
+        "--port", str(port),
+        "--dtype", "float32",
+        "--device", "cpu",
+        "--num-threads", str(args.threads),
+        "--max-num-seqs", str(args.parallel),
+        "--max-queue-len", str(max(1024, args.num_prompts)),  # inf rate queues every request: none may be shed
+        "--shutdown-timeout", "5",
+        "--log-level", "warning",
+    ]  # fmt: skip
+    return ServerSpec("pagedserve", argv, "/ready", port, env=thread_env(args.threads), version=version("pagedserve"))
+
+
+def transformers_checkpoint(model: Model, into: Path) -> Path:
+    """The converted checkpoint as `transformers serve` loads it: it needs config.architectures, which the
+    conversion leaves out, so the files are linked into a folder whose config.json names the class."""
+    for source in model.checkpoint.iterdir():
+        if source.name != "config.json":
+            (into / source.name).symlink_to(source)
+    config = json.loads((model.checkpoint / "config.json").read_text())
+    config.setdefault("architectures", ["LlamaForCausalLM"])
+    (into / "config.json").write_text(json.dumps(config, indent=2))
+    return into
+
+
+def transformers_rewrite(checkpoint: Path) -> Rewrite:
+    """ignore_eos as transformers serve understands it: a generation_config with no EOS token (-1)."""
+    defaults = json.loads((checkpoint / "generation_config.json").read_text())
+    token_ids = {key: value for key, value in defaults.items() if key.endswith("_token_id")}
+    no_eos = json.dumps({**token_ids, "eos_token_id": -1})
+
+    def rewrite(body: dict[str, Any]) -> None:
+        if body.pop("ignore_eos", False):
+            body["generation_config"] = no_eos
+
+    return rewrite
+
+
+def transformers_spec(args: argparse.Namespace, model: Model, workdir: Path) -> ServerSpec | None:
+    script = console_script("transformers")
+    if script is None:
+        print("transformers: no `transformers` command in this environment; skipped")
+        return None
+    checkpoint = transformers_checkpoint(model, workdir)
+    port = free_port()
+    page_tokens = 256  # ContinuousBatchingConfig.page_size
+    # Without --cb-num-blocks it sizes the cache from the machine's RAM (most of it): give it the others' budget.
+    num_blocks = math.ceil(args.parallel * slot_context(args) / page_tokens)
+    argv = [
+        script,
+        "serve", str(checkpoint),
+        "--continuous-batching",
+        "--device", "cpu",
+        "--dtype", "float32",
+        "--cb-num-blocks", str(num_blocks),
+        "--cb-max-batch-tokens", "2048",  # pagedserve's max_num_batched_tokens, llama.cpp's -b
+        "--host", HOST,
+        "--port", str(port),
+    ]  # fmt: skip
+    return ServerSpec(
+        "transformers",
+        argv,
+        "/health",
+        port,
+        model=str(checkpoint),  # a server pinned to a model refuses any other name
+        env=thread_env(args.threads),
+        rewrite=transformers_rewrite(checkpoint),
+        version=version("transformers"),
+    )
+
+
+def llama_server_binary(args: argparse.Namespace) -> str | None:
+    if args.llama_server:
+        path = Path(args.llama_server).expanduser()
+        return str(path) if path.is_file() and os.access(path, os.X_OK) else None
+    return shutil.which("llama-server")
+
+
+def llama_version(binary: str) -> str:
+    try:
+        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    found = next((line for line in lines if line.startswith("version:")), lines[-1] if lines else "")
+    return found.removeprefix("version:").strip()
+
+
+def llama_spec(args: argparse.Namespace, model: Model) -> ServerSpec | None:
+    binary = llama_server_binary(args)
+    if binary is None:
+        where = f"{args.llama_server} is not an executable file" if args.llama_server else "no llama-server on PATH"
+        print(f"llama.cpp: {where}; skipped.\n\n{LLAMA_BUILD_HELP}")
+        return None
+    port = free_port()
+    argv = [
+        binary,
+        "-m", str(model.gguf),
+        "--host", HOST,
+        "--port", str(port),
+        "-np", str(args.parallel),
+        "-c", str(args.parallel * slot_context(args)),  # split evenly between the slots
+        "-t", str(args.threads),
+        "-tb", str(args.threads),
+        "--cont-batching",
+        "--no-webui",
+    ]  # fmt: skip
+    return ServerSpec("llama.cpp", argv, "/health", port, version=llama_version(binary))
+
+
+def server_specs(args: argparse.Namespace, model: Model, workdir: Path) -> Iterator[ServerSpec]:
+    for name in args.servers:
+        spec = {
+            "pagedserve": lambda: pagedserve_spec(args, model),
+            "transformers": lambda: transformers_spec(args, model, workdir),
+            "llama.cpp": lambda: llama_spec(args, model),
+        }[name]()
+        if spec is not None:
+            yield spec
+
+
+# ------------------------------------------------------------------------------------------------------- load
+
+
+class RewritingTransport(httpx.AsyncBaseTransport):
+    """Every JSON request body passes through `rewrite` on its way to the server."""
+
+    def __init__(self, rewrite: Rewrite) -> None:
+        # No connection cap: the client's own limits do not reach a transport passed in.
+        unlimited = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self._transport = httpx.AsyncHTTPTransport(limits=unlimited)
+        self._rewrite = rewrite
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and request.headers.get("content-type") == "application/json":
+            body = json.loads(await request.aread())
+            self._rewrite(body)
+            headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
+            request = httpx.Request("POST", request.url, headers=headers, json=body, extensions=request.extensions)
+        return await self._transport.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+
+def request_rewrite(spec: ServerSpec, max_output_len: int) -> Rewrite:
+    def rewrite(body: dict[str, Any]) -> None:
+        if "max_tokens" in body:  # sharegpt-like lengths have a long tail; the cap keeps a run's length bounded
+            body["max_tokens"] = min(int(body["max_tokens"]), max_output_len)
+        if spec.rewrite is not None:
+            spec.rewrite(body)
+
+    return rewrite
+
+
+def benchmark_config(args: argparse.Namespace, spec: ServerSpec, model: Model, rate: float) -> BenchmarkConfig:
+    return BenchmarkConfig(
+        base_url=spec.base_url,
+        model=spec.model,
+        endpoint_type="chat",
+        workload=args.workload,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.max_output_len,
+        prefix_len=args.prefix_len,
+        request_rate=rate,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        ignore_eos=True,
+        tokenizer=str(model.checkpoint),  # one tokenizer for all: the same prompts whatever the server calls itself
+        disable_tqdm=True,
+    )
+
+
+def run_rate(args: argparse.Namespace, spec: ServerSpec, model: Model, rate: float) -> dict[str, Any]:
+    config = benchmark_config(args, spec, model, rate)
+    transport = RewritingTransport(request_rewrite(spec, args.max_output_len))
+    return asyncio.run(run_benchmark_async(config, transport=transport))
+
+
+def sweep(args: argparse.Namespace, spec: ServerSpec, model: Model, record: Callable[[dict[str, Any]], None]) -> None:
+    """Starts the server, runs every rate against it, stops it; failures are recorded, not raised."""
+    log_path = args.out_dir / "logs" / f"{spec.name}.log"
+    print(f"\n== {spec.name} {spec.version}: {' '.join(spec.argv)}\n   log: {log_path}", flush=True)
+    with ManagedServer(spec.name, spec.argv, spec.base_url + spec.ready_path, log_path, spec.env) as server:
+        try:
+            print(f"   ready after {server.wait_ready():.1f} s", flush=True)
+        except RuntimeError as exc:
+            print(f"   {exc}", flush=True)
+            record({"server": spec.name, "rate": None, "error": str(exc)})
+            return
+        for rate in args.rates:
+            start = time.monotonic()
+            try:
+                result = run_rate(args, spec, model, rate)
+            except Exception as exc:  # a broken run must not cost the other servers theirs
+                print(f"   rate {rate:g}: failed: {type(exc).__name__}: {exc}", flush=True)
+                record({"server": spec.name, "rate": rate, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            print(f"   {summary_line(rate, result)} (wall {time.monotonic() - start:.0f} s)", flush=True)
+            record({"server": spec.name, "rate": rate, "result": result})
+
+
+def summary_line(rate: float, result: dict[str, Any]) -> str:
+    errors = f", errors: {result['errors']}" if result["errors"] else ""
+    return (
+        f"rate {rate:g}: {result['completed']} done, {result['failed']} failed, "
+        f"{result['output_throughput']:.1f} out tok/s, TTFT p50 {result['ttft_ms']['median']:.0f} ms, "
+        f"TPOT p50 {result['tpot_ms']['median']:.1f} ms{errors}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- reports
+
+COLUMNS = (
+    "Server", "Rate (req/s)", "Done", "Failed", "Req/s", "Output tok/s",
+    "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)", "Peak conc.",
+)  # fmt: skip
+
+
+def table_row(run: dict[str, Any]) -> list[str]:
+    rate = "-" if run["rate"] is None else f"{run['rate']:g}"
+    if "error" in run:
+        return [run["server"], rate, f"error: {run['error'].splitlines()[0]}"] + [""] * (len(COLUMNS) - 3)
+    r = run["result"]
+    return [
+        run["server"], rate, str(r["completed"]), str(r["failed"]),
+        f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}",
+        f"{r['ttft_ms']['median']:.0f}", f"{r['ttft_ms']['p99']:.0f}",
+        f"{r['tpot_ms']['median']:.1f}", f"{r['tpot_ms']['p99']:.1f}", str(r["peak_concurrency"]),
+    ]  # fmt: skip
+
+
+def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        f"Workload: {meta['workload']}, {meta['num_prompts']} prompts, max output {meta['max_output_len']} tokens "
+        f"(ignore_eos), seed {meta['seed']}, max concurrency {meta['max_concurrency'] or 'unlimited'}; "
+        f"--parallel {meta['parallel']}, --threads {meta['threads']}.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|",
+    ]
+    lines += ["| " + " | ".join(table_row(run)) + " |" for run in runs]
+    return "\n".join(lines) + "\n"
+
+
+LATENCY_PANELS = (("ttft", "median"), ("ttft", "p99"), ("tpot", "median"), ("tpot", "p99"))
+
+
+def percentile(metric: str, stat: str) -> Callable[[dict[str, Any]], float]:
+    return lambda result: float(result[f"{metric}_ms"][stat])
+
+
+def leading_digit(value: float) -> int:
+    return round(value / 10 ** math.floor(math.log10(value))) if value > 0 else 0
+
+
+def series(runs: list[dict[str, Any]], server: str, value: Callable[[dict[str, Any]], float]) -> dict[float, float]:
+    return {run["rate"]: value(run["result"]) for run in runs if run["server"] == server and "result" in run}
+
+
+def plot(runs: list[dict[str, Any]], rates: list[float], out_dir: Path) -> list[Path]:
+    """Rates sit at even steps on the x axis (inf last): a log axis cannot place inf."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = list(dict.fromkeys(run["server"] for run in runs if "result" in run))
+    if not servers:
+        return []
+    ticks = [f"{rate:g}" for rate in rates]
+    position = {rate: i for i, rate in enumerate(rates)}
+
+    def draw(ax: Any, value: Callable[[dict[str, Any]], float], title: str, ylabel: str) -> None:
+        for server in servers:
+            points = series(runs, server, value)
+            xs = sorted(points, key=position.__getitem__)
+            ax.plot([position[x] for x in xs], [points[x] for x in xs], marker="o", label=server)
+        ax.set_xticks(range(len(rates)), ticks)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    draw(ax, lambda r: r["output_throughput"], "Output throughput", "tokens/s")
+    throughput = out_dir / "compare_throughput.png"
+    fig.tight_layout()
+    fig.savefig(throughput, dpi=120)
+    plt.close(fig)
+
+    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+    sparse = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}" if leading_digit(value) in (2, 3, 5) else "")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for ax, (metric, stat) in zip(axes.flat, LATENCY_PANELS):
+        label = "p50" if stat == "median" else stat
+        draw(ax, percentile(metric, stat), f"{label} {metric.upper()}", "ms")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(plain)  # 2000, not 2x10^3
+        ax.yaxis.set_minor_formatter(sparse)
+    latency = out_dir / "compare_latency.png"
+    fig.tight_layout()
+    fig.savefig(latency, dpi=120)
+    plt.close(fig)
+    return [throughput, latency]
+
+
+# ------------------------------------------------------------------------------------------------------- main
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = sorted({float(part) for part in text.split(",") if part.strip()})
+    if not rates or rates[0] <= 0:
+        raise argparse.ArgumentTypeError("rates must be positive numbers or inf, comma-separated")
+    return rates
+
+
+def parse_servers(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = set(names) - set(SERVERS)
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(SERVERS)} (got {text!r})")
+    return list(dict.fromkeys(names))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", type=parse_servers, default=",".join(SERVERS), help="(default: %(default)s)")
+    parser.add_argument(
+        "--rates", type=parse_rates, default="1,2,4,8,inf", help="req/s; inf: all at once (default: %(default)s)"
+    )
+    parser.add_argument("--num-prompts", type=int, default=64, help="per rate (default: %(default)s)")
+    parser.add_argument(
+        "--workload",
+        choices=("sharegpt-like", "random", "shared-prefix"),
+        default="sharegpt-like",
+        help="(default: %(default)s)",
+    )
+    parser.add_argument("--max-output-len", type=int, default=256, help="max_tokens cap (default: %(default)s)")
+    parser.add_argument("--input-len", type=int, default=256, help="random, shared-prefix (default: %(default)s)")
+    parser.add_argument("--prefix-len", type=int, default=512, help="shared-prefix (default: %(default)s)")
+    parser.add_argument("--max-concurrency", type=int, help="client-side cap on requests in flight (default: none)")
+    parser.add_argument("--llama-server", help="path of a llama-server binary (default: the one on PATH)")
+    parser.add_argument(
+        "--parallel", type=int, default=32, help="llama.cpp -np, pagedserve max_num_seqs (default: %(default)s)"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads of each server (default: %(default)s)")
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"), help="(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    args = parser.parse_args(argv)
+    for name in ("num_prompts", "max_output_len", "input_len", "prefix_len", "parallel", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def jsonable(value: Any) -> Any:
+    """inf as the string "inf": json.dumps would write Infinity, which strict JSON parsers reject."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(item) for item in value]
+    return value
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so the servers are stopped on the way out."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stop_on_sigterm()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    gguf = embedded_gguf_path()
+    model = Model(gguf=gguf, checkpoint=materialize_gguf(gguf))
+    meta = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    meta |= {"gguf": str(gguf), "checkpoint": str(model.checkpoint), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    runs: list[dict[str, Any]] = []
+    servers: list[dict[str, Any]] = []
+    json_path = args.out_dir / "compare.json"
+
+    def record(run: dict[str, Any]) -> None:  # written after every run: an interrupted sweep keeps what it measured
+        runs.append(run)
+        report = {"meta": meta, "servers": servers, "runs": runs}
+        json_path.write_text(json.dumps(jsonable(report), indent=2, default=str))
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="compare-") as workdir:
+            for spec in server_specs(args, model, Path(workdir)):
+                servers.append({"name": spec.name, "version": spec.version, "argv": spec.argv})
+                sweep(args, spec, model, record)
+    except KeyboardInterrupt:
+        print("\ninterrupted: servers stopped; reporting what was measured", file=sys.stderr)
+    if not runs:
+        return 1
+    table = markdown(runs, meta)
+    (args.out_dir / "compare.md").write_text(table)
+    print("\n" + table)
+    for path in [json_path, args.out_dir / "compare.md", *plot(runs, args.rates, args.out_dir)]:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
