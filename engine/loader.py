@@ -69,6 +69,9 @@ def gguf_cache_root() -> Path:
     return Path(os.environ.get("PAGEDSERVE_CACHE_DIR", default))
 
 
+CONVERSION_FORMAT = 2  # bumped whenever converted directories change, so stale ones are not reused
+
+
 def materialize_gguf(gguf_file: Path) -> Path:
     """Converts a GGUF file once into a transformers directory (dequantised safetensors + tokenizer).
 
@@ -76,7 +79,8 @@ def materialize_gguf(gguf_file: Path) -> Path:
     the converted directory loads in about a second, so later starts are fast.
     """
     stat = gguf_file.stat()
-    key = hashlib.sha256(f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    identity = f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_FORMAT}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     target = gguf_cache_root() / f"{gguf_file.stem}-{key}"
     if (target / "config.json").exists():
         return target
@@ -108,6 +112,7 @@ def _save_dequantized(model, folder: Path) -> None:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config.architectures = [type(model).__name__]  # GGUF configs lack it; other tools (transformers serve) need it
     config.save_pretrained(folder)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(folder)

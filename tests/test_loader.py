@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,8 @@ def test_gguf_conversion_is_cached(smol_dir: Path) -> None:
     source = Path((smol_dir / "pagedserve_source.json").read_text().split('"')[3])
     assert materialize_gguf(source) == smol_dir  # second call: no conversion
     assert (smol_dir / "model.safetensors").exists() and (smol_dir / "tokenizer.json").exists()
+    # A standard checkpoint: other tools (transformers' own server) need to know the model class.
+    assert json.loads((smol_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
 def test_directory_without_config_is_rejected(tmp_path: Path) -> None:
