@@ -15,10 +15,8 @@ import pytest
 import transformers
 
 from engine import EngineConfig
-from engine.async_engine import AsyncEngine
 from engine.model_loader import LoadedModel
-from server import ServerSettings, cli, create_app
-from server.background import BackgroundServer
+from server import ServerSettings, cli
 from server.benchmark import BenchmarkConfig, run_benchmark, run_benchmark_async
 from server.benchmark.arrivals import inter_arrival_delays
 from server.benchmark.client import RequestRecord
@@ -32,6 +30,7 @@ from server.benchmark.workloads import (
     count_tokens,
     sharegpt_like_lengths,
 )
+from tests.servers import served_engine
 
 MODEL = "tiny"
 TOLERANCE = 2  # tokens: cutting the token ids and re-encoding the text can merge or split one at the cut
@@ -209,13 +208,9 @@ def test_the_cli_builds_the_config() -> None:
 
 @pytest.fixture(scope="module")
 def url(tiny_llama_loaded: LoadedModel) -> Iterator[str]:
-    engine = AsyncEngine.from_config(EngineConfig(num_kv_blocks=128, max_num_seqs=8), tiny_llama_loaded).start()
-    assert engine.wait_ready(60)
-    try:
-        with BackgroundServer(create_app(engine, ServerSettings([MODEL]))) as server:
-            yield server.url
-    finally:
-        engine.shutdown()
+    config = EngineConfig(num_kv_blocks=128, max_num_seqs=8)
+    with served_engine(config, tiny_llama_loaded, ServerSettings([MODEL])) as url:
+        yield url
 
 
 @pytest.mark.parametrize(

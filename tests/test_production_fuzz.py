@@ -19,7 +19,7 @@ from engine import EngineConfig, LLMEngine
 from engine.async_engine import AsyncEngine
 from engine.model_loader import LoadedModel
 from server import ServerSettings, create_app
-from server.background import BackgroundServer
+from tests.servers import served_engine
 
 MODEL = "smol"
 EXAMPLES = 25  # per route and mode
@@ -31,13 +31,8 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def url(smol_loaded: LoadedModel) -> Iterator[str]:
-    engine = AsyncEngine.from_config(CONFIG, smol_loaded).start()
-    assert engine.wait_ready(60)
-    try:
-        with BackgroundServer(create_app(engine, ServerSettings([MODEL]))) as server:
-            yield server.url
-    finally:
-        engine.shutdown()
+    with served_engine(CONFIG, smol_loaded, ServerSettings([MODEL])) as url:
+        yield url
 
 
 def assert_openai_error(response: httpx.Response | schemathesis.Response) -> None:

@@ -14,9 +14,9 @@ import pytest
 from engine import EngineConfig
 from engine.async_engine import AsyncEngine
 from engine.model_loader import LoadedModel
-from server import ServerSettings, cli, create_app
-from server.background import BackgroundServer
+from server import ServerSettings, cli
 from server.logs import JsonFormatter
+from tests.servers import running_engine, serving
 
 MODEL = "smol"
 HELLO = [{"role": "user", "content": "Hi"}]
@@ -28,36 +28,28 @@ QUEUE_CONFIG = EngineConfig(num_kv_blocks=128, max_num_seqs=4, max_queue_len=4)
 TIMED_CONFIG = EngineConfig(num_kv_blocks=64, max_num_seqs=1, max_queue_time=0.5, request_timeout=3.0)
 
 
-def start_engine(config: EngineConfig, loaded: LoadedModel) -> AsyncEngine:
-    engine = AsyncEngine.from_config(config, loaded).start()
-    assert engine.wait_ready(60)
-    return engine
-
-
 @pytest.fixture(scope="module")
 def queue_engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    engine = start_engine(QUEUE_CONFIG, smol_loaded)
-    yield engine
-    engine.shutdown()
+    with running_engine(QUEUE_CONFIG, smol_loaded) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
 def url(queue_engine: AsyncEngine) -> Iterator[str]:
-    with BackgroundServer(create_app(queue_engine, ServerSettings([MODEL]))) as server:
-        yield server.url
+    with serving(queue_engine, ServerSettings([MODEL])) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def timed_engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    engine = start_engine(TIMED_CONFIG, smol_loaded)
-    yield engine
-    engine.shutdown()
+    with running_engine(TIMED_CONFIG, smol_loaded) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
 def timed_url(timed_engine: AsyncEngine) -> Iterator[str]:
-    with BackgroundServer(create_app(timed_engine, ServerSettings([MODEL]))) as server:
-        yield server.url
+    with serving(timed_engine, ServerSettings([MODEL])) as url:
+        yield url
 
 
 @contextlib.contextmanager
@@ -132,8 +124,8 @@ def test_max_queue_time_is_503_and_request_timeout_504(timed_url: str, timed_eng
 
 def test_bodies_over_the_limit_get_413_declared_or_chunked(queue_engine: AsyncEngine) -> None:
     settings = ServerSettings([MODEL], max_request_bytes=2048)
-    with BackgroundServer(create_app(queue_engine, settings)) as server:
-        endpoint = f"{server.url}/v1/completions"
+    with serving(queue_engine, settings) as url:
+        endpoint = f"{url}/v1/completions"
         big = {**SHORT, "prompt": "word " * 500}
         declared = httpx.post(endpoint, json=big)
         json_type = {"content-type": "application/json"}

@@ -13,10 +13,9 @@ import httpx
 import pytest
 
 from engine import EngineConfig
-from engine.async_engine import AsyncEngine
 from engine.model_loader import LoadedModel
-from server import ServerSettings, create_app
-from server.background import BackgroundServer
+from server import ServerSettings
+from tests.servers import served_engine
 
 MODEL = "smol"
 NUM_REQUESTS = 40
@@ -28,13 +27,8 @@ SHED_P99_LIMIT = 0.050  # seconds, server-side: the 503 path must not wait on th
 
 @pytest.fixture(scope="module")
 def url(smol_loaded: LoadedModel) -> Iterator[str]:
-    engine = AsyncEngine.from_config(CONFIG, smol_loaded).start()
-    assert engine.wait_ready(60)
-    try:
-        with BackgroundServer(create_app(engine, ServerSettings([MODEL]))) as server:
-            yield server.url
-    finally:
-        engine.shutdown()
+    with served_engine(CONFIG, smol_loaded, ServerSettings([MODEL])) as url:
+        yield url
 
 
 @dataclass

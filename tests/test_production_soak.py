@@ -15,8 +15,8 @@ from benchmarks.soak import MODEL, soak
 from engine import EngineConfig
 from engine.async_engine import AsyncEngine
 from engine.model_loader import LoadedModel
-from server import ServerSettings, create_app
-from server.background import BackgroundServer
+from server import ServerSettings
+from tests.servers import running_engine, serving
 
 SECONDS = 30
 RSS_GROWTH_LIMIT_MB = 100  # after warm-up; a leak per request would pass it within seconds
@@ -26,15 +26,13 @@ CONFIG = EngineConfig(num_kv_blocks=48, max_num_seqs=8, max_queue_len=12)
 
 @pytest.fixture(scope="module")
 def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine.from_config(CONFIG, smol_loaded).start()
-    assert engine.wait_ready(60)
-    yield engine
-    engine.shutdown()
+    with running_engine(CONFIG, smol_loaded) as engine:
+        yield engine
 
 
 def test_soak_leaves_nothing_behind(engine: AsyncEngine) -> None:
-    with BackgroundServer(create_app(engine, ServerSettings([MODEL]))) as server:
-        report = soak(server.url, engine, SECONDS, clients=16, seed=1)
+    with serving(engine, ServerSettings([MODEL])) as url:
+        report = soak(url, engine, SECONDS, clients=16, seed=1)
     summary = "\n".join(report.lines())
     print(summary)
     assert report.completed > 20 and report.hung_up > 10, summary

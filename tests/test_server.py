@@ -12,8 +12,8 @@ import pytest
 from engine import EngineConfig
 from engine.async_engine import AsyncEngine
 from engine.model_loader import LoadedModel
-from server import ServerSettings, create_app
-from server.background import BackgroundServer
+from server import ServerSettings
+from tests.servers import running_engine, serving
 
 MODEL = "smol"
 ALIAS = "smol-alias"
@@ -22,16 +22,14 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 
 @pytest.fixture(scope="module")
 def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine.from_config(EngineConfig(num_kv_blocks=128, max_num_seqs=16), smol_loaded).start()
-    assert engine.wait_ready(60)
-    yield engine
-    engine.shutdown()
+    with running_engine(EngineConfig(num_kv_blocks=128, max_num_seqs=16), smol_loaded) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
 def url(engine: AsyncEngine) -> Iterator[str]:
-    with BackgroundServer(create_app(engine, ServerSettings([MODEL, ALIAS]))) as server:
-        yield server.url
+    with serving(engine, ServerSettings([MODEL, ALIAS])) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import EngineConfig
 from engine.async_engine import AsyncEngine
 from engine.model_loader import LoadedModel
-from server import ServerSettings, create_app
-from server.background import BackgroundServer
+from server import ServerSettings
+from tests.servers import running_engine, serving
 
 MODEL = "smol"
 NUM_STREAMS = 32
@@ -23,16 +23,14 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine.from_config(EngineConfig(num_kv_blocks=256, max_num_seqs=32), smol_loaded).start()
-    assert engine.wait_ready(60)
-    yield engine
-    engine.shutdown()
+    with running_engine(EngineConfig(num_kv_blocks=256, max_num_seqs=32), smol_loaded) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
 def url(engine: AsyncEngine) -> Iterator[str]:
-    with BackgroundServer(create_app(engine, ServerSettings([MODEL]))) as server:
-        yield server.url
+    with serving(engine, ServerSettings([MODEL])) as url:
+        yield url
 
 
 def body(i: int, max_tokens: int, stream: bool = True) -> dict:

@@ -11,8 +11,8 @@ import pytest
 from engine import EngineConfig
 from engine.async_engine import AsyncEngine
 from engine.model_loader import LoadedModel
-from server import ServerSettings, create_app
-from server.background import BackgroundServer
+from server import ServerSettings
+from tests.servers import running_engine, serving
 
 MODEL = "smol"
 KEY = "s3cret"
@@ -23,22 +23,20 @@ CONFIG = EngineConfig(num_kv_blocks=8, max_num_seqs=1, max_queue_len=1)
 
 @pytest.fixture(scope="module")
 def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine.from_config(CONFIG, smol_loaded).start()
-    assert engine.wait_ready(60)
-    yield engine
-    engine.shutdown()
+    with running_engine(CONFIG, smol_loaded) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
 def url(engine: AsyncEngine) -> Iterator[str]:
-    with BackgroundServer(create_app(engine, ServerSettings([MODEL]))) as server:
-        yield server.url
+    with serving(engine, ServerSettings([MODEL])) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def secured_url(engine: AsyncEngine) -> Iterator[str]:
-    with BackgroundServer(create_app(engine, ServerSettings([MODEL], api_key=KEY))) as server:
-        yield server.url
+    with serving(engine, ServerSettings([MODEL], api_key=KEY)) as url:
+        yield url
 
 
 def assert_error(response: httpx.Response, status: int, code: str | None, param: str | None = None) -> str:

@@ -1,0 +1,36 @@
+"""Engines and loopback servers for tests: started once per module, always shut down."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.model_loader import LoadedModel
+from server import ServerSettings, create_app
+from server.background import BackgroundServer
+
+
+@contextlib.contextmanager
+def running_engine(config: EngineConfig, loaded: LoadedModel) -> Iterator[AsyncEngine]:
+    engine = AsyncEngine.from_config(config, loaded).start()
+    try:
+        assert engine.wait_ready(60), engine.unavailable_reason()
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+@contextlib.contextmanager
+def serving(engine: AsyncEngine, settings: ServerSettings) -> Iterator[str]:
+    """The base URL of a uvicorn server on 127.0.0.1 in front of `engine`."""
+    with BackgroundServer(create_app(engine, settings)) as server:
+        yield server.url
+
+
+@contextlib.contextmanager
+def served_engine(config: EngineConfig, loaded: LoadedModel, settings: ServerSettings) -> Iterator[str]:
+    """A fresh engine behind a fresh server; yields the server's base URL."""
+    with running_engine(config, loaded) as engine, serving(engine, settings) as url:
+        yield url
