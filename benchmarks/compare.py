@@ -430,7 +430,46 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|",
     ]
     lines += ["| " + " | ".join(table_row(run)) + " |" for run in runs]
+    figures = target_lines(runs)
+    if figures:
+        lines += ["", *figures]
     return "\n".join(lines) + "\n"
+
+
+TARGETS = {"transformers": 3.0, "llama.cpp": 1.25}  # pagedserve's saturation throughput over each, at least
+TPOT_P99_LIMIT = 1.5  # pagedserve's p99 TPOT over the best other's, at most
+
+
+def target_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """The comparison's figures: throughput at saturation, and p99 TPOT at the highest rate where all are stable."""
+    measured = [run for run in runs if "result" in run]
+    servers = list(dict.fromkeys(run["server"] for run in measured))
+    if "pagedserve" not in servers or len(servers) < 2:
+        return []
+    saturation = {name: max(series(measured, name, lambda r: r["output_throughput"]).values()) for name in servers}
+    lines = [
+        f"- saturation throughput: pagedserve {saturation['pagedserve'] / saturation[other]:.2f}x {other} "
+        f"(target {TARGETS.get(other, 1.0):g}x)"
+        for other in servers
+        if other != "pagedserve"
+    ]
+    stable = [
+        rate
+        for rate in dict.fromkeys(run["rate"] for run in measured)
+        if all(run["result"]["failed"] == 0 for run in measured if run["rate"] == rate)
+        and len([run for run in measured if run["rate"] == rate]) == len(servers)
+    ]
+    if stable:
+        rate = max(stable)
+        p99 = {run["server"]: run["result"]["tpot_ms"]["p99"] for run in measured if run["rate"] == rate}
+        best = min(value for name, value in p99.items() if name != "pagedserve")
+        lines.append(
+            f"- p99 TPOT at rate {rate:g} (highest with no failures anywhere): {p99['pagedserve'] / best:.2f}x the "
+            f"best other (target at most {TPOT_P99_LIMIT:g}x)"
+        )
+    failed = sum(run["result"]["failed"] for run in measured if run["server"] == "pagedserve")
+    lines.append(f"- pagedserve failed requests over the sweep: {failed}")
+    return lines
 
 
 LATENCY_PANELS = (("ttft", "median"), ("ttft", "p99"), ("tpot", "median"), ("tpot", "p99"))

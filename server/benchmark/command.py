@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -69,27 +70,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchmarkConfig:
-    return BenchmarkConfig(
-        base_url=args.base_url,
-        model=args.model,
-        endpoint_type=args.endpoint_type,
-        workload=args.workload,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        prefix_len=args.prefix_len,
-        dataset_path=args.dataset_path,
-        max_model_len=args.max_model_len,
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        tokenizer=args.tokenizer,
-        api_key=args.api_key,
-        goodput=parse_slos(args.goodput),
-        disable_tqdm=args.disable_tqdm,
-    )
+    """Every BenchmarkConfig field has a flag of the same name; only the SLOs need parsing."""
+    values = {field.name: getattr(args, field.name) for field in dataclasses.fields(BenchmarkConfig)}
+    return BenchmarkConfig(**{**values, "goodput": parse_slos(args.goodput)})
 
 
 def parse_slos(items: Sequence[str]) -> dict[str, float]:
