@@ -15,11 +15,11 @@ __all__ = ["WORDS", "chat_prompts", "filler_text", "sharegpt_like_lengths"]
 def chat_prompts(tokenizer, count: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
     """Chat-templated prompts whose token counts are uniform in [min_tokens, max_tokens] (above the template)."""
     rng = random.Random(seed)
+    overhead = len(_templated(tokenizer, ""))
     prompts = []
     for _ in range(count):
         target = rng.randint(min_tokens, max_tokens)
         body_ids = tokenizer.encode(filler_text(rng, max_tokens), add_special_tokens=False)
-        overhead = len(_templated(tokenizer, ""))
         body = tokenizer.decode(body_ids[: max(1, target - overhead)])
         prompts.append(_templated(tokenizer, "Continue this text: " + body))
     return prompts
