@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import cuda_graph_capture, graph_batch_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import LoadedModel, kv_cache_budget, load_model, resolve_max_model_len
@@ -73,6 +74,9 @@ class LLMEngine:
             self.loaded.spec, num_blocks, self.config.block_size, self.loaded.dtype, self.loaded.device
         )
         self.runner = ModelRunner(self.loaded.model, self.loaded.backend, self.kv, caches, self.loaded.device)
+        if self._use_cuda_graphs():
+            sizes = graph_batch_sizes(self.config.max_num_seqs)
+            self.runner.capture_decode_graphs(sizes, self.max_model_len, cuda_graph_capture())
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=self.config.max_num_seqs,
@@ -91,6 +95,14 @@ class LLMEngine:
             num_blocks * self.config.block_size,
             self.max_model_len,
         )
+
+    def _use_cuda_graphs(self) -> bool:
+        if self.loaded.device.type != "cuda" or self.config.enforce_eager:
+            return False
+        if not self.loaded.backend.supports_cuda_graphs:
+            logger.info("CUDA graphs off: the %s attention backend cannot be recorded", self.loaded.backend.name)
+            return False
+        return True
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

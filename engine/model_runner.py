@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cuda_graphs import Capture, DecodeGraphs
 from engine.kv_cache_manager import KVCacheManager
 from engine.models import KVCache, LlamaForCausalLM, ModelSpec
 from engine.scheduler import ScheduledRequest
@@ -53,8 +54,15 @@ class ModelRunner:
         self.device = device
         self.kv_caches = kv_caches
         model.bind_kv_caches(kv_caches)
+        self.decode_graphs: DecodeGraphs | None = None
         self.forward_seconds = 0.0  # time inside the model, for the overhead figures
         self.num_tokens_processed = 0
+
+    def capture_decode_graphs(self, batch_sizes: list[int], max_seq_len: int, capture: Capture) -> None:
+        """From now on decode-only steps of up to max(batch_sizes) sequences replay recorded graphs."""
+        graphs = DecodeGraphs(self.model, self.backend, self.block_size, max_seq_len, self.device)
+        graphs.capture(batch_sizes, capture)
+        self.decode_graphs = graphs
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         """Flat inputs for all scheduled requests; vectorised over tokens, a loop only over requests."""
@@ -119,7 +127,10 @@ class ModelRunner:
             self.copy_blocks(copies)
         inputs = self.prepare(scheduled)
         start = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
+            hidden = self.decode_graphs.run(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         self.forward_seconds += time.perf_counter() - start
         self.num_tokens_processed += len(inputs.input_ids)

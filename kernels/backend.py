@@ -15,6 +15,9 @@ class AttentionBackend(ABC):
     """Writes new keys/values into the paged cache and attends over it (see DESIGN.md, kernel contract)."""
 
     name: str
+    # True when a step's launches depend only on device tensors and what `prepare` planned, so a recorded
+    # CUDA graph stays valid for any lengths (see engine/cuda_graphs.py).
+    supports_cuda_graphs: bool = False
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         """Per-step host-side work shared by every layer; returns metadata with its `plan` filled."""

@@ -44,6 +44,7 @@ class _TritonPlan:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, split_policy: SplitKVPolicy | None = None) -> None:
         self.split_policy = split_policy or SplitKVPolicy()
