@@ -8,6 +8,26 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+# On CPU, batches of up to this many rows compute x @ W^T as (W @ x^T)^T: the same product, which MKL blocks
+# better in that orientation when x has few rows. Measured on every projection of SmolLM2 (fp32, 2 cores,
+# benchmarks/linear_orientation.py): 1.3-2.1x faster at 16-64 rows, 1.0-1.4x at 128-256, 0.9-1.2x at 2048.
+# The result is a transposed view; the elementwise ops after it keep that layout and the next projection
+# reads it as is.
+TRANSPOSED_GEMM_MAX_ROWS = 256
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for x [T, in], in whichever orientation is faster on x's device (see above)."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > TRANSPOSED_GEMM_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t()
+    return out if bias is None else out + bias
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -72,8 +92,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
 from engine.models.spec import ModelSpec
 from kernels import AttentionBackend, AttentionMetadata
 
@@ -26,8 +26,8 @@ class LlamaAttention(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=False)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.rotary = rotary
@@ -70,7 +70,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, rotary, backend) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
     def bind_kv_caches(self, caches: list[KVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
@@ -86,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        return linear(hidden, weight).contiguous()  # the sampler reduces over the vocabulary: keep it dense
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads transformers-named tensors, fusing q/k/v and gate/up as they arrive."""
