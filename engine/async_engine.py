@@ -49,7 +49,7 @@ class AsyncEngine:
         self._engine: LLMEngine | None = None
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._sinks: dict[str, RequestSink] = {}  # engine thread only
-        self._queue_places = QueuePlaces(limit=0)  # sized once the engine has loaded
+        self._queue_places = QueuePlaces()  # sized once the engine has loaded
         self._observers: tuple[EngineObserver, ...] = ()
         self._snapshot = EngineSnapshot()
         self._lock = threading.Lock()  # orders submissions against stop and death
@@ -181,7 +181,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._engine = self._make_engine()
-            self._queue_places.limit = self._engine.config.max_queue_len
+            self._queue_places.queue_len = self._engine.config.max_queue_len
+            self._queue_places.limit = self._engine.scheduler.queue_capacity()
             with self._lock:
                 self._accepting = not self._stopped
             self._settled.set()
@@ -202,9 +203,10 @@ class AsyncEngine:
                 break
             deltas += self._execute(engine, command)
         if not stopping:
-            deltas += self._check_queue_and_deadlines(engine)
+            deltas += self._fail_expired(engine)
         if not stopping and engine.has_unfinished_requests():
             deltas += self._step(engine)
+        self._release_queue_places(engine)
         # Published before the deltas go out: whoever sees a delta sees this state of the engine or a newer one.
         self._snapshot = EngineSnapshot.of(engine)
         self._deliver(deltas)
@@ -242,15 +244,22 @@ class AsyncEngine:
         command.reply.set_result(None)
         return []
 
-    def _check_queue_and_deadlines(self, engine: LLMEngine) -> list[SequenceDelta]:
-        """Frees the queue places of requests the scheduler has admitted; fails those past a time limit."""
+    def _release_queue_places(self, engine: LLMEngine) -> None:
+        """Frees the queue places of requests the scheduler has admitted, and resizes the queue to the seats
+        the step left free."""
+        # Shrink first, then free: a caller in between may be refused, but never admitted past the bound.
+        self._queue_places.limit = engine.scheduler.queue_capacity()
         # Preempted requests wait again but were admitted once: they hold no queue places.
         waiting = {r.parent_id for r in engine.scheduler.waiting if r.status is RequestStatus.WAITING}
+        for request_id, sink in self._sinks.items():
+            if request_id not in waiting:
+                sink.leave_queue()
+
+    def _fail_expired(self, engine: LLMEngine) -> list[SequenceDelta]:
+        """Ends the requests past a time limit (a wait to be scheduled, or the whole request's)."""
         now = time.monotonic()
         deltas = []
         for request_id, sink in list(self._sinks.items()):
-            if request_id not in waiting:
-                sink.leave_queue()
             error = sink.expired(now)
             if error is not None:
                 deltas += self._fail(engine, request_id, error)

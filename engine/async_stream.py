@@ -148,18 +148,20 @@ class QueuePlaces:
     """The waiting queue's bound, kept on the caller's side so that a full queue is refused at once.
 
     Each of a request's n sequences takes a place, from submission until the scheduler first admits the
-    request. Thread-safe.
+    request. `limit` follows the scheduler's queue capacity (max_queue_len plus the running batch's free
+    seats) as of the last step; `queue_len` (max_queue_len) bounds a single request. Thread-safe.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int = 0, queue_len: int = 0) -> None:
         self.limit = limit
+        self.queue_len = queue_len
         self._taken = 0
         self._lock = threading.Lock()
 
     def take(self, num_sequences: int) -> None:
         with self._lock:
-            if num_sequences > self.limit:
-                raise ValueError(f"n must be <= {self.limit} (the waiting queue's size), got {num_sequences}")
+            if num_sequences > self.queue_len:
+                raise ValueError(f"n must be <= {self.queue_len} (the waiting queue's size), got {num_sequences}")
             if self._taken + num_sequences > self.limit:
                 raise QueueFullError(f"the waiting queue is full: {self._taken} of {self.limit} sequences wait")
             self._taken += num_sequences

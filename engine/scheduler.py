@@ -75,6 +75,14 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def queue_capacity(self) -> int:
+        """How many may wait: max_queue_len beyond the running batch's free seats.
+
+        Waiting requests that free seats will take at the next step are not a backlog: a burst at an idle
+        engine is accepted up to max_num_seqs + max_queue_len, not refused while seats stand empty.
+        """
+        return self.max_queue_len + max(0, self.max_num_seqs - len(self.running))
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -83,7 +91,7 @@ class Scheduler:
 
     def add_requests(self, requests: list[Request]) -> None:
         """Queues requests together (the n samples of one prompt are admitted or refused as one)."""
-        if len(self.waiting) + len(requests) > self.max_queue_len:
+        if len(self.waiting) + len(requests) > self.queue_capacity():
             raise QueueFullError(f"the waiting queue is full ({self.max_queue_len} requests)")
         for request in requests:
             self._check_fits(request)

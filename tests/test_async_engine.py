@@ -13,6 +13,7 @@ from engine import ContextLengthError, EngineConfig, LLMEngine, SamplingParams, 
 from engine.async_engine import AsyncEngine
 from engine.async_stream import EngineUnavailableError
 from engine.model_loader import LoadedModel
+from engine.scheduler import QueueFullError
 
 CONFIG = EngineConfig(num_kv_blocks=64, max_num_seqs=16, max_logprobs=5)
 PROMPT = "The capital of France is"
@@ -110,6 +111,28 @@ def test_bad_requests_raise_before_any_delta(make_engine: Callable[..., AsyncEng
         assert len(await _drain(engine, "fine")) == 8  # the engine carries on
 
     asyncio.run(run())
+
+
+def test_a_burst_at_an_idle_engine_fills_the_free_seats_and_the_queue(smol_loaded: LoadedModel) -> None:
+    """Requests that free running seats will take at the next step are no backlog: with 2 seats and a queue of
+    3, an idle engine accepts 5 at once; a 6th is refused."""
+    config = CONFIG.replace(max_num_seqs=2, max_queue_len=3)
+    engine = AsyncEngine(lambda: LLMEngine(config, smol_loaded)).start()
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    try:
+        assert engine.wait_ready(30)
+
+        async def run() -> None:
+            streams = [await engine.generate(f"r{i}", PROMPT, long) for i in range(5)]
+            with pytest.raises(QueueFullError):  # before a step (5 of 5 places) or after it (2 seated, 3 of 3)
+                await engine.generate("sixth", PROMPT, long)
+            for stream in streams:
+                await stream.aclose()
+
+        asyncio.run(run())
+        _wait_idle(engine)
+    finally:
+        engine.shutdown()
 
 
 def test_engine_thread_death_fails_pending_requests(

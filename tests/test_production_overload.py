@@ -66,7 +66,9 @@ def test_a_burst_past_the_queue_is_shed_at_once_and_the_admitted_finish(
     admitted = [a for a in answers if a.status == 200]
     shed = [a for a in answers if a.status == 503]
     assert len(admitted) + len(shed) == NUM_REQUESTS, sorted({a.status for a in answers})
-    assert len(admitted) >= CONFIG.max_queue_len and len(shed) >= NUM_REQUESTS // 2, (len(admitted), len(shed))
+    # At least what an idle engine holds: every free seat and the whole queue.
+    min_admitted = CONFIG.max_num_seqs + CONFIG.max_queue_len
+    assert len(admitted) >= min_admitted and len(shed) >= NUM_REQUESTS // 2, (len(admitted), len(shed))
     for answer in shed:
         assert answer.retry_after == "1" and answer.body["error"]["code"] == "queue_full"
     for answer in admitted:  # greedy: the batch it ran in changes nothing
