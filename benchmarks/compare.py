@@ -15,12 +15,23 @@ completions, greedy, ignore_eos: every request generates exactly its max_tokens)
                 llama.cpp computes with the 4-bit weights, the other two with them dequantized to float32.
 
 All three see the same workload (seed, lengths, prompt bodies; only the 8-word prefix that defeats prefix
-caches across runs is new each run) and the same CPU threads (--threads). Requests go through a small body
-rewriter: max_tokens is capped at --max-output-len, and `transformers serve` (which answers 422 to fields it
-does not know) gets ignore_eos as a per-request generation_config whose eos_token_id is -1.
+caches across runs is new each run) and the same CPU threads (--threads). Each gets the environment a user
+starting it by hand would give it: the one this script was started in, plus OMP_NUM_THREADS = MKL_NUM_THREADS =
+--threads and HF_HUB_OFFLINE=1. OMP_WAIT_POLICY (all three use OpenMP) is left as the user set it; unset,
+pagedserve gets PASSIVE (its own default, which the `engine` package sets in this process too) and the other two
+none (their default); compare.json and compare.md record these variables per server. Requests go through a
+small body rewriter: max_tokens is capped at --max-output-len, and `transformers serve` (which answers 422 to
+fields it does not know) gets ignore_eos as a per-request generation_config whose eos_token_id is -1.
 
-Writes OUT_DIR/compare.json (every result and the server commands), compare.md (the table, also printed) and
-compare_throughput.png, compare_latency.png (p50/p99 TTFT and TPOT against the request rate).
+Overload (--overload-requests, 0 skips it): after its sweep, pagedserve is started once more with a short
+waiting queue (--max-queue-len = --parallel) and sent --overload-requests requests at once: past what it holds
+(--parallel running, --parallel waiting), it should answer 503 with Retry-After at once rather than let them
+wait into client timeouts. Reported: requests completed, shed with 503 (with Retry-After or not), timeouts and
+other failures, how soon the first 503 came and how long each took, and the served requests' throughput.
+
+Writes OUT_DIR/compare.json (every result, the server commands and their environments, the overload run),
+compare.md (the table, the figures and the overload run, also printed) and compare_throughput.png,
+compare_latency.png (p50/p99 TTFT and TPOT against the request rate).
 
 Building llama-server (without one on PATH or given with --llama-server, llama.cpp is skipped): the
 llama-cpp-python source release vendors llama.cpp. It needs cmake and a C++17 compiler, and no network at
@@ -55,8 +66,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -66,8 +77,13 @@ if not __package__:  # run as a file: import the project, not benchmarks/kernels
 
 import httpx
 
-from engine.loader import embedded_gguf_path, materialize_gguf
-from server.benchmark import BenchmarkConfig, run_benchmark_async
+# The environment this script was started in, read before the imports below load `engine`: engine/__init__.py
+# sets OMP_WAIT_POLICY=PASSIVE in this process (pagedserve's default), which the other servers must not inherit.
+USER_ENV = dict(os.environ)
+
+from engine.loader import embedded_gguf_path, materialize_gguf  # noqa: E402 (after USER_ENV)
+from server.benchmark import BenchmarkConfig, run_benchmark_async  # noqa: E402
+from server.benchmark.metrics import distribution_ms  # noqa: E402
 
 SERVERS = ("pagedserve", "transformers", "llama.cpp")
 HOST = "127.0.0.1"
@@ -142,8 +158,8 @@ class ServerSpec:
     argv: list[str]
     ready_path: str
     port: int
+    env: dict[str, str]  # the whole environment of the process (see server_env)
     model: str | None = None  # None: the first id of GET /v1/models
-    env: dict[str, str] = field(default_factory=dict)
     rewrite: Rewrite | None = None  # extra request-body changes this server needs
     version: str = ""
 
@@ -164,10 +180,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def thread_env(threads: int) -> dict[str, str]:
+def server_env(threads: int, defaults: dict[str, str] | None = None) -> dict[str, str]:
+    """What a user starting the server by hand would give it: their environment (USER_ENV, not this process's,
+    which importing `engine` changed), the threads pinned, and the server's own `defaults` where they set none."""
     # HF_HUB_OFFLINE: everything is local; a hub lookup would only wait on a network that may not be there.
     pinned = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
-    return {**os.environ, **pinned}
+    return {**(defaults or {}), **USER_ENV, **pinned}
+
+
+ENV_RECORDED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HF_HUB_OFFLINE", "OMP_WAIT_POLICY")
+
+
+def env_record(env: dict[str, str]) -> dict[str, str | None]:
+    """The variables that may differ between the servers (None: unset), for the reports."""
+    return {key: env.get(key) for key in ENV_RECORDED}
+
+
+def env_text(record: dict[str, str | None]) -> str:
+    return " ".join(f"{key}={value}" if value is not None else f"{key} unset" for key, value in record.items())
 
 
 def console_script(name: str) -> str | None:
@@ -182,7 +212,8 @@ def slot_context(args: argparse.Namespace) -> int:
     return math.ceil((longest + TEMPLATE_TOKENS) / 256) * 256  # llama.cpp pads a slot to 256 tokens anyway
 
 
-def pagedserve_spec(args: argparse.Namespace, model: Model) -> ServerSpec:
+def pagedserve_spec(args: argparse.Namespace, model: Model, max_queue_len: int | None = None) -> ServerSpec:
+    """max_queue_len: by default deep enough that no request of the sweep is shed, even at rate inf."""
     port = free_port()
     argv = [
         console_script("pagedserve") or "pagedserve",
@@ -193,11 +224,12 @@ def pagedserve_spec(args: argparse.Namespace, model: Model) -> ServerSpec:
         "--device", "cpu",
         "--num-threads", str(args.threads),
         "--max-num-seqs", str(args.parallel),
-        "--max-queue-len", str(max(1024, args.num_prompts)),  # inf rate queues every request: none may be shed
+        "--max-queue-len", str(max_queue_len or max(1024, args.num_prompts)),
         "--shutdown-timeout", "5",
         "--log-level", "warning",
     ]  # fmt: skip
-    return ServerSpec("pagedserve", argv, "/ready", port, env=thread_env(args.threads), version=version("pagedserve"))
+    env = server_env(args.threads, {"OMP_WAIT_POLICY": "PASSIVE"})  # what its engine package would set anyway
+    return ServerSpec("pagedserve", argv, "/ready", port, env=env, version=version("pagedserve"))
 
 
 def transformers_checkpoint(model: Model, into: Path) -> Path:
@@ -252,7 +284,7 @@ def transformers_spec(args: argparse.Namespace, model: Model, workdir: Path) -> 
         "/health",
         port,
         model=str(checkpoint),  # a server pinned to a model refuses any other name
-        env=thread_env(args.threads),
+        env=server_env(args.threads),
         rewrite=transformers_rewrite(checkpoint),
         version=version("transformers"),
     )
@@ -294,7 +326,7 @@ def llama_spec(args: argparse.Namespace, model: Model) -> ServerSpec | None:
         "--cont-batching",
         "--no-webui",
     ]  # fmt: skip
-    return ServerSpec("llama.cpp", argv, "/health", port, version=llama_version(binary))
+    return ServerSpec("llama.cpp", argv, "/health", port, env=server_env(args.threads), version=llama_version(binary))
 
 
 def server_specs(args: argparse.Namespace, model: Model, workdir: Path) -> Iterator[ServerSpec]:
@@ -332,6 +364,66 @@ class RewritingTransport(httpx.AsyncBaseTransport):
         await self._transport.aclose()
 
 
+@dataclass
+class Exchange:
+    """One POST as the transport saw it; times are time.perf_counter() seconds."""
+
+    sent: float
+    answered: float | None = None  # the response's status and headers arrived
+    status: int | None = None
+    retry_after: str | None = None  # the Retry-After header
+    timed_out: bool = False  # an httpx timeout, before the answer or while reading it
+
+
+class WatchedStream(httpx.AsyncByteStream):
+    """A response body that notes a timeout while it is read."""
+
+    def __init__(self, stream: httpx.AsyncByteStream, exchange: Exchange) -> None:
+        self._stream, self._exchange = stream, exchange
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._stream:
+                yield chunk
+        except httpx.TimeoutException:
+            self._exchange.timed_out = True
+            raise
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+class ObservingTransport(httpx.AsyncBaseTransport):
+    """Notes every POST's status, Retry-After and timing in `exchanges` (the load generator keeps only the status)."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, exchanges: list[Exchange]) -> None:
+        self._transport = transport
+        self.exchanges = exchanges
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method != "POST":
+            return await self._transport.handle_async_request(request)
+        exchange = Exchange(sent=time.perf_counter())
+        self.exchanges.append(exchange)
+        try:
+            response = await self._transport.handle_async_request(request)
+        except httpx.TimeoutException:
+            exchange.timed_out = True
+            raise
+        exchange.answered, exchange.status = time.perf_counter(), response.status_code
+        exchange.retry_after = response.headers.get("retry-after")
+        assert isinstance(response.stream, httpx.AsyncByteStream)
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=WatchedStream(response.stream, exchange),
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+
 def request_rewrite(spec: ServerSpec, max_output_len: int) -> Rewrite:
     def rewrite(body: dict[str, Any]) -> None:
         if "max_tokens" in body:  # sharegpt-like lengths have a long tail; the cap keeps a run's length bounded
@@ -342,13 +434,15 @@ def request_rewrite(spec: ServerSpec, max_output_len: int) -> Rewrite:
     return rewrite
 
 
-def benchmark_config(args: argparse.Namespace, spec: ServerSpec, model: Model, rate: float) -> BenchmarkConfig:
+def benchmark_config(
+    args: argparse.Namespace, spec: ServerSpec, model: Model, rate: float, num_prompts: int
+) -> BenchmarkConfig:
     return BenchmarkConfig(
         base_url=spec.base_url,
         model=spec.model,
         endpoint_type="chat",
         workload=args.workload,
-        num_prompts=args.num_prompts,
+        num_prompts=num_prompts,
         input_len=args.input_len,
         output_len=args.max_output_len,
         prefix_len=args.prefix_len,
@@ -361,16 +455,27 @@ def benchmark_config(args: argparse.Namespace, spec: ServerSpec, model: Model, r
     )
 
 
-def run_rate(args: argparse.Namespace, spec: ServerSpec, model: Model, rate: float) -> dict[str, Any]:
-    config = benchmark_config(args, spec, model, rate)
-    transport = RewritingTransport(request_rewrite(spec, args.max_output_len))
+def run_rate(
+    args: argparse.Namespace,
+    spec: ServerSpec,
+    model: Model,
+    rate: float,
+    num_prompts: int | None = None,
+    exchanges: list[Exchange] | None = None,
+) -> dict[str, Any]:
+    """exchanges: when given, every POST (the warm-up first) is noted there."""
+    config = benchmark_config(args, spec, model, rate, num_prompts or args.num_prompts)
+    transport: httpx.AsyncBaseTransport = RewritingTransport(request_rewrite(spec, args.max_output_len))
+    if exchanges is not None:
+        transport = ObservingTransport(transport, exchanges)
     return asyncio.run(run_benchmark_async(config, transport=transport))
 
 
 def sweep(args: argparse.Namespace, spec: ServerSpec, model: Model, record: Callable[[dict[str, Any]], None]) -> None:
     """Starts the server, runs every rate against it, stops it; failures are recorded, not raised."""
     log_path = args.out_dir / "logs" / f"{spec.name}.log"
-    print(f"\n== {spec.name} {spec.version}: {' '.join(spec.argv)}\n   log: {log_path}", flush=True)
+    print(f"\n== {spec.name} {spec.version}: {' '.join(spec.argv)}", flush=True)
+    print(f"   env: {env_text(env_record(spec.env))}\n   log: {log_path}", flush=True)
     with ManagedServer(spec.name, spec.argv, spec.base_url + spec.ready_path, log_path, spec.env) as server:
         try:
             print(f"   ready after {server.wait_ready():.1f} s", flush=True)
@@ -399,6 +504,65 @@ def summary_line(rate: float, result: dict[str, Any]) -> str:
     )
 
 
+def overload(args: argparse.Namespace, model: Model) -> dict[str, Any]:
+    """pagedserve with a short queue, sent --overload-requests requests at once; failures are recorded, not raised."""
+    spec = pagedserve_spec(args, model, max_queue_len=args.parallel)
+    log_path = args.out_dir / "logs" / "pagedserve-overload.log"
+    entry: dict[str, Any] = {
+        "server": spec.name,
+        "requests": args.overload_requests,
+        "max_num_seqs": args.parallel,
+        "max_queue_len": args.parallel,
+        "argv": spec.argv,
+        "env": env_record(spec.env),
+    }
+    print(f"\n== overload, {args.overload_requests} requests at once: {' '.join(spec.argv)}", flush=True)
+    print(f"   env: {env_text(entry['env'])}\n   log: {log_path}", flush=True)
+    with ManagedServer(spec.name, spec.argv, spec.base_url + spec.ready_path, log_path, spec.env) as server:
+        try:
+            print(f"   ready after {server.wait_ready():.1f} s", flush=True)
+            exchanges: list[Exchange] = []
+            start = time.monotonic()
+            result = run_rate(args, spec, model, math.inf, args.overload_requests, exchanges)
+        except Exception as exc:
+            print(f"   failed: {type(exc).__name__}: {exc}", flush=True)
+            return entry | {"error": f"{type(exc).__name__}: {exc}"}
+    # The first POST is run_benchmark_async's warm-up, answered before any timed request is sent.
+    shed = shedding(result, exchanges[-args.overload_requests :])
+    print(f"   {overload_line(shed)} (wall {time.monotonic() - start:.0f} s)", flush=True)
+    return entry | {"shed": shed, "result": result}
+
+
+def shedding(result: dict[str, Any], exchanges: list[Exchange]) -> dict[str, Any]:
+    """What happened to the requests of an overload run, from the load generator's result and the transport."""
+    start = min(exchange.sent for exchange in exchanges)
+    rejected = [exchange for exchange in exchanges if exchange.status == 503]
+    answered = [(exchange.sent, exchange.answered) for exchange in rejected if exchange.answered is not None]
+    timeouts = sum(exchange.timed_out or exchange.status in (408, 504) for exchange in exchanges)
+    return {
+        "requests": len(exchanges),
+        "completed": result["completed"],
+        "rejected_503": result["rejected_503"],
+        "with_retry_after": sum(exchange.retry_after is not None for exchange in rejected),
+        "timeouts": timeouts,  # the client's, and the server's own time limits (408, 504)
+        "other_failures": result["failed"] - result["rejected_503"] - timeouts,
+        "first_503_ms": (min(end for _, end in answered) - start) * 1000.0 if answered else None,
+        "rejection_ms": distribution_ms([end - sent for sent, end in answered]),  # sent -> 503 in, per request
+        "output_throughput": result["output_throughput"],  # the served requests' tokens over the whole run
+        "ttft_ms": result["ttft_ms"],
+        "errors": result["errors"],
+    }
+
+
+def overload_line(shed: dict[str, Any]) -> str:
+    first = "" if shed["first_503_ms"] is None else f", first 503 after {shed['first_503_ms']:.0f} ms"
+    return (
+        f"{shed['completed']} done, {shed['rejected_503']} shed with 503 ({shed['with_retry_after']} with "
+        f"Retry-After), {shed['timeouts']} timeouts, {shed['other_failures']} other failures{first}, "
+        f"served {shed['output_throughput']:.1f} out tok/s"
+    )
+
+
 # ---------------------------------------------------------------------------------------------------- reports
 
 COLUMNS = (
@@ -420,35 +584,95 @@ def table_row(run: dict[str, Any]) -> list[str]:
     ]  # fmt: skip
 
 
-def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+def markdown_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(columns) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def markdown(
+    runs: list[dict[str, Any]],
+    meta: dict[str, Any],
+    servers: list[dict[str, Any]],
+    overload_run: dict[str, Any] | None = None,
+) -> str:
     lines = [
         f"Workload: {meta['workload']}, {meta['num_prompts']} prompts, max output {meta['max_output_len']} tokens "
         f"(ignore_eos), seed {meta['seed']}, max concurrency {meta['max_concurrency'] or 'unlimited'}; "
         f"--parallel {meta['parallel']}, --threads {meta['threads']}.",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|",
+        "Environment, on top of the one compare.py was started in:",
+        "",
+        *(f"- {server['name']}: {env_text(server['env'])}" for server in servers if "env" in server),
+        "",
+        *markdown_table(COLUMNS, [table_row(run) for run in runs]),
     ]
-    lines += ["| " + " | ".join(table_row(run)) + " |" for run in runs]
-    figures = target_lines(runs)
+    figures = target_lines(runs, overload_run)
     if figures:
         lines += ["", *figures]
+    if overload_run is not None:
+        lines += ["", "## Overload", "", *overload_section(overload_run)]
     return "\n".join(lines) + "\n"
+
+
+OVERLOAD_COLUMNS = (
+    "Sent", "Done", "Shed (503)", "With Retry-After", "Timeouts", "Other failures",
+    "First 503 (ms)", "503 p50 (ms)", "503 p99 (ms)", "Served output tok/s", "Served TTFT p99 (ms)",
+)  # fmt: skip
+
+
+def overload_section(run: dict[str, Any]) -> list[str]:
+    lines = [
+        f"{run['server']} with --max-num-seqs {run['max_num_seqs']} --max-queue-len {run['max_queue_len']}, sent "
+        f"{run['requests']} requests at once (its log: logs/pagedserve-overload.log). Shed: answered 503; first "
+        "503: from the first request sent; 503 p50/p99: each rejected request, sent to answered.",
+        "",
+    ]
+    if "shed" not in run:
+        return [*lines, f"error: {run.get('error', 'no result').splitlines()[0]}"]
+    shed = run["shed"]
+    first = "-" if shed["first_503_ms"] is None else f"{shed['first_503_ms']:.0f}"
+    rejected = shed["rejected_503"] > 0
+    row = [
+        str(shed["requests"]), str(shed["completed"]), str(shed["rejected_503"]), str(shed["with_retry_after"]),
+        str(shed["timeouts"]), str(shed["other_failures"]), first,
+        f"{shed['rejection_ms']['median']:.0f}" if rejected else "-",
+        f"{shed['rejection_ms']['p99']:.0f}" if rejected else "-",
+        f"{shed['output_throughput']:.1f}", f"{shed['ttft_ms']['p99']:.0f}",
+    ]  # fmt: skip
+    lines += markdown_table(OVERLOAD_COLUMNS, [row])
+    others = [error for error in shed["errors"] if not error.startswith("HTTP 503")]
+    if others:
+        lines += ["", "Other errors: " + "; ".join(others)]
+    return lines
 
 
 TARGETS = {"transformers": 3.0, "llama.cpp": 1.25}  # pagedserve's saturation throughput over each, at least
 TPOT_P99_LIMIT = 1.5  # pagedserve's p99 TPOT over the best other's, at most
 
 
-def target_lines(runs: list[dict[str, Any]]) -> list[str]:
-    """The comparison's figures: throughput at saturation, and p99 TPOT at the highest rate where all are stable."""
+def ratio(numerator: float, denominator: float) -> str:
+    return f"{numerator / denominator:.2f}x" if denominator > 0 else "n/a (nothing to divide by)"
+
+
+def target_lines(runs: list[dict[str, Any]], overload_run: dict[str, Any] | None = None) -> list[str]:
+    """The comparison's figures: throughput at saturation, p99 TPOT at the highest rate where all are stable,
+    pagedserve's failures over the sweep and its load shedding past saturation."""
     measured = [run for run in runs if "result" in run]
     servers = list(dict.fromkeys(run["server"] for run in measured))
-    if "pagedserve" not in servers or len(servers) < 2:
+    if "pagedserve" not in servers:
+        return []
+    return [*comparison_lines(measured, servers), *pagedserve_lines(measured, overload_run)]
+
+
+def comparison_lines(measured: list[dict[str, Any]], servers: list[str]) -> list[str]:
+    if len(servers) < 2:
         return []
     saturation = {name: max(series(measured, name, lambda r: r["output_throughput"]).values()) for name in servers}
     lines = [
-        f"- saturation throughput: pagedserve {saturation['pagedserve'] / saturation[other]:.2f}x {other} "
+        f"- saturation throughput: pagedserve {ratio(saturation['pagedserve'], saturation[other])} {other} "
         f"(target {TARGETS.get(other, 1.0):g}x)"
         for other in servers
         if other != "pagedserve"
@@ -464,11 +688,27 @@ def target_lines(runs: list[dict[str, Any]]) -> list[str]:
         p99 = {run["server"]: run["result"]["tpot_ms"]["p99"] for run in measured if run["rate"] == rate}
         best = min(value for name, value in p99.items() if name != "pagedserve")
         lines.append(
-            f"- p99 TPOT at rate {rate:g} (highest with no failures anywhere): {p99['pagedserve'] / best:.2f}x the "
+            f"- p99 TPOT at rate {rate:g} (highest with no failures anywhere): {ratio(p99['pagedserve'], best)} the "
             f"best other (target at most {TPOT_P99_LIMIT:g}x)"
         )
+    return lines
+
+
+def pagedserve_lines(measured: list[dict[str, Any]], overload_run: dict[str, Any] | None) -> list[str]:
     failed = sum(run["result"]["failed"] for run in measured if run["server"] == "pagedserve")
-    lines.append(f"- pagedserve failed requests over the sweep: {failed}")
+    lines = [f"- pagedserve failed requests over the sweep: {failed}"]
+    if overload_run is None:
+        return lines
+    if "shed" not in overload_run:
+        return [*lines, f"- overload: error: {overload_run.get('error', 'no result').splitlines()[0]}"]
+    shed = overload_run["shed"]
+    below = "no failures" if failed == 0 else f"{failed} failed requests"
+    others = f", {shed['other_failures']} other failures" if shed["other_failures"] else ""
+    lines.append(
+        f"- overload: {below} up to saturation; above it ({shed['requests']} requests at once, --max-queue-len "
+        f"{overload_run['max_queue_len']}): {shed['rejected_503']} of {shed['requests']} shed with 503, "
+        f"{shed['timeouts']} timeouts{others}"
+    )
     return lines
 
 
@@ -575,12 +815,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--parallel", type=int, default=32, help="llama.cpp -np, pagedserve max_num_seqs (default: %(default)s)"
     )
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of each server (default: %(default)s)")
+    parser.add_argument(
+        "--overload-requests",
+        type=int,
+        help="sent at once to pagedserve with --max-queue-len --parallel after its sweep; 0: skip "
+        "(default: 4x --parallel, twice what it holds running and waiting)",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"), help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     args = parser.parse_args(argv)
     for name in ("num_prompts", "max_output_len", "input_len", "prefix_len", "parallel", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.overload_requests is None:
+        args.overload_requests = 4 * args.parallel
+    elif args.overload_requests < 0:
+        parser.error("--overload-requests must be >= 0")
     return args
 
 
@@ -614,23 +864,31 @@ def main(argv: list[str] | None = None) -> int:
     meta |= {"gguf": str(gguf), "checkpoint": str(model.checkpoint), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     runs: list[dict[str, Any]] = []
     servers: list[dict[str, Any]] = []
+    report: dict[str, Any] = {"meta": meta, "servers": servers, "runs": runs, "overload": None}
     json_path = args.out_dir / "compare.json"
 
-    def record(run: dict[str, Any]) -> None:  # written after every run: an interrupted sweep keeps what it measured
-        runs.append(run)
-        report = {"meta": meta, "servers": servers, "runs": runs}
+    def write() -> None:  # after every run: an interrupted sweep keeps what it measured
         json_path.write_text(json.dumps(jsonable(report), indent=2, default=str))
+
+    def record(run: dict[str, Any]) -> None:
+        runs.append(run)
+        write()
 
     try:
         with tempfile.TemporaryDirectory(prefix="compare-") as workdir:
             for spec in server_specs(args, model, Path(workdir)):
-                servers.append({"name": spec.name, "version": spec.version, "argv": spec.argv})
+                servers.append(
+                    {"name": spec.name, "version": spec.version, "argv": spec.argv, "env": env_record(spec.env)}
+                )
                 sweep(args, spec, model, record)
+                if spec.name == "pagedserve" and args.overload_requests:
+                    report["overload"] = overload(args, model)
+                    write()
     except KeyboardInterrupt:
         print("\ninterrupted: servers stopped; reporting what was measured", file=sys.stderr)
     if not runs:
         return 1
-    table = markdown(runs, meta)
+    table = markdown(runs, meta, servers, report["overload"])
     (args.out_dir / "compare.md").write_text(table)
     print("\n" + table)
     for path in [json_path, args.out_dir / "compare.md", *plot(runs, args.rates, args.out_dir)]:
