@@ -181,7 +181,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._engine = self._make_engine()
-            self._queue_places.queue_len = self._engine.config.max_queue_len
+            self._queue_places.max_seats = self._engine.config.max_num_seqs
             self._queue_places.limit = self._engine.scheduler.queue_capacity()
             with self._lock:
                 self._accepting = not self._stopped

@@ -149,19 +149,20 @@ class QueuePlaces:
 
     Each of a request's n sequences takes a place, from submission until the scheduler first admits the
     request. `limit` follows the scheduler's queue capacity (max_queue_len plus the running batch's free
-    seats) as of the last step; `queue_len` (max_queue_len) bounds a single request. Thread-safe.
+    seats) as of the last step; `max_seats` (max_num_seqs) bounds a single request, whose sequences are
+    seated together. Thread-safe.
     """
 
-    def __init__(self, limit: int = 0, queue_len: int = 0) -> None:
+    def __init__(self, limit: int = 0, max_seats: int = 0) -> None:
         self.limit = limit
-        self.queue_len = queue_len
+        self.max_seats = max_seats
         self._taken = 0
         self._lock = threading.Lock()
 
     def take(self, num_sequences: int) -> None:
         with self._lock:
-            if num_sequences > self.queue_len:
-                raise ValueError(f"n must be <= {self.queue_len} (the waiting queue's size), got {num_sequences}")
+            if num_sequences > self.max_seats:  # could never run, however long it waited: the caller's mistake
+                raise ValueError(f"n must be <= max_num_seqs ({self.max_seats}), got {num_sequences}")
             if self._taken + num_sequences > self.limit:
                 raise QueueFullError(f"the waiting queue is full: {self._taken} of {self.limit} sequences wait")
             self._taken += num_sequences

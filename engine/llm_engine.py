@@ -152,6 +152,8 @@ class LLMEngine:
             raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
         if params.n > self.config.max_n:
             raise ValueError(f"n must be <= {self.config.max_n}, got {params.n}")
+        if params.n > self.config.max_num_seqs:  # a prompt's samples are seated together: it could never start
+            raise ValueError(f"n must be <= max_num_seqs ({self.config.max_num_seqs}), got {params.n}")
         token_ids = self.encode_prompt(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ContextLengthError(len(token_ids), self.max_model_len)

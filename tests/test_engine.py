@@ -134,6 +134,17 @@ def test_bad_requests_leave_the_engine_serving(engine: LLMEngine) -> None:
     assert engine.kv.pool.num_free == engine.kv.num_blocks
 
 
+def test_more_samples_than_seats_are_refused_not_left_waiting(tiny_llama_loaded: LoadedModel) -> None:
+    """A prompt's n samples are seated together: n > max_num_seqs could never start, and would hold up the
+    queue behind it."""
+    config = EngineConfig(model=str(tiny_llama_loaded.model_dir), num_kv_blocks=64, max_num_seqs=2)
+    engine = LLMEngine(config, loaded=tiny_llama_loaded)
+    with pytest.raises(ValueError, match=r"n must be <= max_num_seqs \(2\), got 3"):
+        engine.add_request("three", prompt(4), SamplingParams(n=3))
+    out = run(engine, {"two": (prompt(4), SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=1))})
+    assert [len(out[f"two/{i}"]["tokens"]) for i in range(2)] == [3, 3]
+
+
 def test_max_tokens_is_clamped_to_the_context(engine: LLMEngine) -> None:
     out = run(engine, {"a": (prompt(250), SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))})
     assert len(out["a/0"]["tokens"]) == 6 and out["a/0"]["finish"] == "length"

@@ -89,7 +89,7 @@ def test_queue_places_count_every_sequence_of_n(url: str, queue_engine: AsyncEng
         assert full.status_code == 503 and full.headers["retry-after"] == "1"
         assert error_of(full)["code"] == "queue_full"
         assert "3 of 4 sequences" in error_of(full)["message"]
-        never = post(n=5)  # could never be queued: the client's mistake, not overload
+        never = post(n=5)  # more samples than max_num_seqs could never run: the client's mistake, not overload
         assert never.status_code == 400 and error_of(never)["param"] == "n"
     wait_until_idle(queue_engine)
     assert post(n=4).status_code == 200  # every place came back
