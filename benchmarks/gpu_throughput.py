@@ -112,6 +112,7 @@ def main() -> None:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     ours = args.num_requests * args.output_len / seconds
+    graphs = llm.engine.runner.decode_graphs
     gbs = copy_bandwidth_gbs()
     bound = decode_bound_tokens_per_s(config, args.num_requests, args.prompt_len + args.output_len / 2, gbs)
     report = {
@@ -121,6 +122,8 @@ def main() -> None:
         "copy_bandwidth_gbs": gbs,
         "decode_bound_tok_s": bound,
         "share_of_bound": ours / bound,
+        "decode_graph_sizes": graphs.batch_sizes if graphs else "off",
+        "decode_graph_replays": graphs.num_replays if graphs else 0,
     }
     del llm
     torch.cuda.empty_cache()
