@@ -66,7 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -83,7 +83,6 @@ USER_ENV = dict(os.environ)
 
 from engine.loader import embedded_gguf_path, materialize_gguf  # noqa: E402 (after USER_ENV)
 from server.benchmark import BenchmarkConfig, run_benchmark_async  # noqa: E402
-from server.benchmark.metrics import distribution_ms  # noqa: E402
 
 SERVERS = ("pagedserve", "transformers", "llama.cpp")
 HOST = "127.0.0.1"
@@ -364,66 +363,6 @@ class RewritingTransport(httpx.AsyncBaseTransport):
         await self._transport.aclose()
 
 
-@dataclass
-class Exchange:
-    """One POST as the transport saw it; times are time.perf_counter() seconds."""
-
-    sent: float
-    answered: float | None = None  # the response's status and headers arrived
-    status: int | None = None
-    retry_after: str | None = None  # the Retry-After header
-    timed_out: bool = False  # an httpx timeout, before the answer or while reading it
-
-
-class WatchedStream(httpx.AsyncByteStream):
-    """A response body that notes a timeout while it is read."""
-
-    def __init__(self, stream: httpx.AsyncByteStream, exchange: Exchange) -> None:
-        self._stream, self._exchange = stream, exchange
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._stream:
-                yield chunk
-        except httpx.TimeoutException:
-            self._exchange.timed_out = True
-            raise
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
-
-
-class ObservingTransport(httpx.AsyncBaseTransport):
-    """Notes every POST's status, Retry-After and timing in `exchanges` (the load generator keeps only the status)."""
-
-    def __init__(self, transport: httpx.AsyncBaseTransport, exchanges: list[Exchange]) -> None:
-        self._transport = transport
-        self.exchanges = exchanges
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.method != "POST":
-            return await self._transport.handle_async_request(request)
-        exchange = Exchange(sent=time.perf_counter())
-        self.exchanges.append(exchange)
-        try:
-            response = await self._transport.handle_async_request(request)
-        except httpx.TimeoutException:
-            exchange.timed_out = True
-            raise
-        exchange.answered, exchange.status = time.perf_counter(), response.status_code
-        exchange.retry_after = response.headers.get("retry-after")
-        assert isinstance(response.stream, httpx.AsyncByteStream)
-        return httpx.Response(
-            response.status_code,
-            headers=response.headers,
-            stream=WatchedStream(response.stream, exchange),
-            extensions=response.extensions,
-        )
-
-    async def aclose(self) -> None:
-        await self._transport.aclose()
-
-
 def request_rewrite(spec: ServerSpec, max_output_len: int) -> Rewrite:
     def rewrite(body: dict[str, Any]) -> None:
         if "max_tokens" in body:  # sharegpt-like lengths have a long tail; the cap keeps a run's length bounded
@@ -456,43 +395,44 @@ def benchmark_config(
 
 
 def run_rate(
-    args: argparse.Namespace,
-    spec: ServerSpec,
-    model: Model,
-    rate: float,
-    num_prompts: int | None = None,
-    exchanges: list[Exchange] | None = None,
+    args: argparse.Namespace, spec: ServerSpec, model: Model, rate: float, num_prompts: int | None = None
 ) -> dict[str, Any]:
-    """exchanges: when given, every POST (the warm-up first) is noted there."""
     config = benchmark_config(args, spec, model, rate, num_prompts or args.num_prompts)
-    transport: httpx.AsyncBaseTransport = RewritingTransport(request_rewrite(spec, args.max_output_len))
-    if exchanges is not None:
-        transport = ObservingTransport(transport, exchanges)
+    transport = RewritingTransport(request_rewrite(spec, args.max_output_len))
     return asyncio.run(run_benchmark_async(config, transport=transport))
+
+
+@contextlib.contextmanager
+def running(args: argparse.Namespace, spec: ServerSpec, title: str, log_name: str) -> Iterator[None]:
+    """Starts the server, says what runs and where it logs, and waits until it is ready (RuntimeError if never)."""
+    log_path = args.out_dir / "logs" / f"{log_name}.log"
+    print(f"\n== {title}: {' '.join(spec.argv)}", flush=True)
+    print(f"   env: {env_text(env_record(spec.env))}\n   log: {log_path}", flush=True)
+    with ManagedServer(spec.name, spec.argv, spec.base_url + spec.ready_path, log_path, spec.env) as server:
+        print(f"   ready after {server.wait_ready():.1f} s", flush=True)
+        yield
 
 
 def sweep(args: argparse.Namespace, spec: ServerSpec, model: Model, record: Callable[[dict[str, Any]], None]) -> None:
     """Starts the server, runs every rate against it, stops it; failures are recorded, not raised."""
-    log_path = args.out_dir / "logs" / f"{spec.name}.log"
-    print(f"\n== {spec.name} {spec.version}: {' '.join(spec.argv)}", flush=True)
-    print(f"   env: {env_text(env_record(spec.env))}\n   log: {log_path}", flush=True)
-    with ManagedServer(spec.name, spec.argv, spec.base_url + spec.ready_path, log_path, spec.env) as server:
-        try:
-            print(f"   ready after {server.wait_ready():.1f} s", flush=True)
-        except RuntimeError as exc:
-            print(f"   {exc}", flush=True)
-            record({"server": spec.name, "rate": None, "error": str(exc)})
-            return
-        for rate in args.rates:
-            start = time.monotonic()
-            try:
-                result = run_rate(args, spec, model, rate)
-            except Exception as exc:  # a broken run must not cost the other servers theirs
-                print(f"   rate {rate:g}: failed: {type(exc).__name__}: {exc}", flush=True)
-                record({"server": spec.name, "rate": rate, "error": f"{type(exc).__name__}: {exc}"})
-                continue
-            print(f"   {summary_line(rate, result)} (wall {time.monotonic() - start:.0f} s)", flush=True)
-            record({"server": spec.name, "rate": rate, "result": result})
+    try:
+        with running(args, spec, f"{spec.name} {spec.version}", spec.name):
+            for rate in args.rates:
+                record(run_one_rate(args, spec, model, rate))
+    except RuntimeError as exc:  # never ready
+        print(f"   {exc}", flush=True)
+        record({"server": spec.name, "rate": None, "error": str(exc)})
+
+
+def run_one_rate(args: argparse.Namespace, spec: ServerSpec, model: Model, rate: float) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        result = run_rate(args, spec, model, rate)
+    except Exception as exc:  # a broken run must not cost the other rates and servers theirs
+        print(f"   rate {rate:g}: failed: {type(exc).__name__}: {exc}", flush=True)
+        return {"server": spec.name, "rate": rate, "error": f"{type(exc).__name__}: {exc}"}
+    print(f"   {summary_line(rate, result)} (wall {time.monotonic() - start:.0f} s)", flush=True)
+    return {"server": spec.name, "rate": rate, "result": result}
 
 
 def summary_line(rate: float, result: dict[str, Any]) -> str:
@@ -507,7 +447,6 @@ def summary_line(rate: float, result: dict[str, Any]) -> str:
 def overload(args: argparse.Namespace, model: Model) -> dict[str, Any]:
     """pagedserve with a short queue, sent --overload-requests requests at once; failures are recorded, not raised."""
     spec = pagedserve_spec(args, model, max_queue_len=args.parallel)
-    log_path = args.out_dir / "logs" / "pagedserve-overload.log"
     entry: dict[str, Any] = {
         "server": spec.name,
         "requests": args.overload_requests,
@@ -516,38 +455,30 @@ def overload(args: argparse.Namespace, model: Model) -> dict[str, Any]:
         "argv": spec.argv,
         "env": env_record(spec.env),
     }
-    print(f"\n== overload, {args.overload_requests} requests at once: {' '.join(spec.argv)}", flush=True)
-    print(f"   env: {env_text(entry['env'])}\n   log: {log_path}", flush=True)
-    with ManagedServer(spec.name, spec.argv, spec.base_url + spec.ready_path, log_path, spec.env) as server:
-        try:
-            print(f"   ready after {server.wait_ready():.1f} s", flush=True)
-            exchanges: list[Exchange] = []
-            start = time.monotonic()
-            result = run_rate(args, spec, model, math.inf, args.overload_requests, exchanges)
-        except Exception as exc:
-            print(f"   failed: {type(exc).__name__}: {exc}", flush=True)
-            return entry | {"error": f"{type(exc).__name__}: {exc}"}
-    # The first POST is run_benchmark_async's warm-up, answered before any timed request is sent.
-    shed = shedding(result, exchanges[-args.overload_requests :])
+    title = f"overload, {args.overload_requests} requests at once"
+    start = time.monotonic()
+    try:
+        with running(args, spec, title, "pagedserve-overload"):
+            result = run_rate(args, spec, model, math.inf, args.overload_requests)
+    except Exception as exc:
+        print(f"   failed: {type(exc).__name__}: {exc}", flush=True)
+        return entry | {"error": f"{type(exc).__name__}: {exc}"}
+    shed = shedding(result, args.overload_requests)
     print(f"   {overload_line(shed)} (wall {time.monotonic() - start:.0f} s)", flush=True)
     return entry | {"shed": shed, "result": result}
 
 
-def shedding(result: dict[str, Any], exchanges: list[Exchange]) -> dict[str, Any]:
-    """What happened to the requests of an overload run, from the load generator's result and the transport."""
-    start = min(exchange.sent for exchange in exchanges)
-    rejected = [exchange for exchange in exchanges if exchange.status == 503]
-    answered = [(exchange.sent, exchange.answered) for exchange in rejected if exchange.answered is not None]
-    timeouts = sum(exchange.timed_out or exchange.status in (408, 504) for exchange in exchanges)
+def shedding(result: dict[str, Any], requests: int) -> dict[str, Any]:
+    """What happened to the requests of an overload run, from the load generator's result."""
     return {
-        "requests": len(exchanges),
+        "requests": requests,
         "completed": result["completed"],
         "rejected_503": result["rejected_503"],
-        "with_retry_after": sum(exchange.retry_after is not None for exchange in rejected),
-        "timeouts": timeouts,  # the client's, and the server's own time limits (408, 504)
-        "other_failures": result["failed"] - result["rejected_503"] - timeouts,
-        "first_503_ms": (min(end for _, end in answered) - start) * 1000.0 if answered else None,
-        "rejection_ms": distribution_ms([end - sent for sent, end in answered]),  # sent -> 503 in, per request
+        "with_retry_after": result["rejected_with_retry_after"],
+        "timeouts": result["timeouts"],  # the client's, and the server's own time limits (408, 504)
+        "other_failures": result["failed"] - result["rejected_503"] - result["timeouts"],
+        "first_503_ms": result["first_rejection_ms"],
+        "rejection_ms": result["rejection_ms"],  # sent -> 503 in, per request
         "output_throughput": result["output_throughput"],  # the served requests' tokens over the whole run
         "ttft_ms": result["ttft_ms"],
         "errors": result["errors"],

@@ -180,6 +180,21 @@ def test_metrics_from_hand_made_records() -> None:
     assert summarize(records, 2.0)["goodput"] is None  # no SLO given
 
 
+def test_shedding_from_hand_made_records() -> None:
+    records = [
+        record(0.0, [0.1], 0.5, tokens=1),
+        RequestRecord(0.1, 0.12, status=503, retry_after="1", error="HTTP 503: full"),  # refused after 20 ms
+        RequestRecord(0.2, 0.26, status=503, error="HTTP 503: full"),  # refused after 60 ms, no Retry-After
+        RequestRecord(0.3, 30.3, timed_out=True, error="ReadTimeout: "),
+        RequestRecord(0.4, 5.0, status=504, error="HTTP 504: too slow"),
+    ]
+    result = summarize(records, duration_s=30.3)
+    assert (result["rejected_503"], result["rejected_with_retry_after"], result["timeouts"]) == (2, 1, 2)
+    assert result["first_rejection_ms"] == pytest.approx(120)  # from the first request sent
+    assert result["rejection_ms"]["mean"] == pytest.approx(40)
+    assert summarize(records[:1], 1.0)["first_rejection_ms"] is None
+
+
 def test_peak_concurrency_counts_back_to_back_requests_once() -> None:
     chain = [record(t, [t + 0.5], t + 1.0, tokens=1) for t in range(5)]
     assert peak_concurrency(chain) == 1

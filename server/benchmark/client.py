@@ -30,6 +30,8 @@ class RequestRecord:
     output_tokens: int | None = None  # the usage chunk's count; None until counted from the text
     success: bool = False
     status: int | None = None  # HTTP status; None when no response came
+    retry_after: str | None = None  # the Retry-After header of a refused request
+    timed_out: bool = False  # an httpx timeout, before the answer or while reading it
     error: str = ""
 
     @property
@@ -69,12 +71,14 @@ async def send_request(
     try:
         async with client.stream("POST", PATHS[config.endpoint_type], json=body) as response:
             record.status = response.status_code
+            record.retry_after = response.headers.get("retry-after")
             if response.status_code != 200:
                 record.error = f"HTTP {response.status_code}: {error_message((await response.aread()).decode())}"
             else:
                 await read_stream(response, config.endpoint_type, record)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         record.success, record.error = False, f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+        record.timed_out = isinstance(exc, httpx.TimeoutException)
     record.finish_time = time.perf_counter()
     return record
 

@@ -74,7 +74,20 @@ def summarize(
         "e2e_ms": distribution_ms([r.e2e for r in done]),
         "peak_concurrency": peak_concurrency(records),
         "goodput": goodput,
+        **shedding(records),
         "errors": error_examples(records),
+    }
+
+
+def shedding(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """How an overloaded server turned requests away: refusals (503), and waits that ran out instead."""
+    refused = [r for r in records if r.status == 503]
+    first_sent = min((r.send_time for r in records), default=0.0)
+    return {
+        "rejected_with_retry_after": sum(r.retry_after is not None for r in refused),
+        "timeouts": sum(r.timed_out or r.status in (408, 504) for r in records),  # the client's or the server's
+        "first_rejection_ms": (min(r.finish_time for r in refused) - first_sent) * 1000.0 if refused else None,
+        "rejection_ms": distribution_ms([r.e2e for r in refused]),  # sent to refused, per request
     }
 
 

@@ -24,6 +24,7 @@ def format_table(result: dict[str, Any]) -> str:
         _row("Successful requests", result["completed"]),
         _row("Failed requests", result["failed"]),
         _row("  of which 503 (rejected)", result["rejected_503"]),
+        _row("  of which timed out", result["timeouts"]),
         _row("Peak concurrency", result["peak_concurrency"]),
         _row("Benchmark duration (s)", result["duration_s"]),
         _row("Total input tokens", result["total_input_tokens"]),
