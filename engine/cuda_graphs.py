@@ -116,64 +116,52 @@ class DecodeBuffers:
 
 
 class DecodeGraphs:
-    """One recorded forward per batch size, replayed for decode-only steps that fit."""
+    """One recorded forward per batch size, replayed for decode-only steps that fit; records on construction,
+    largest size first so the smaller graphs reuse its memory."""
 
+    @torch.inference_mode()
     def __init__(
         self,
         model: LlamaForCausalLM,
         backend: AttentionBackend,
         block_size: int,
         max_seq_len: int,
+        batch_sizes: list[int],
+        capture: Capture,
         device: torch.device,
     ) -> None:
-        self.model = model
-        self.backend = backend
-        self.block_size = block_size
-        self.max_seq_len = max_seq_len
-        self.device = device
-        self.buffers: DecodeBuffers | None = None
-        self.batch_sizes: list[int] = []
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._replays: dict[int, Replay] = {}
-        self.num_replays = 0
-
-    @torch.inference_mode()
-    def capture(self, batch_sizes: list[int], capture: Capture) -> None:
-        """Records every size, largest first so the smaller graphs reuse its memory."""
         start = time.perf_counter()
-        max_blocks = -(-self.max_seq_len // self.block_size)
-        self.buffers = DecodeBuffers(max(batch_sizes), max_blocks, self.device)
+        self.buffers = DecodeBuffers(max(batch_sizes), -(-max_seq_len // block_size), device)
+        self._graphs: dict[int, tuple[torch.Tensor, Replay]] = {}  # batch size -> (output, replay)
         for batch in sorted(set(batch_sizes), reverse=True):
-            metadata = self.backend.prepare(self.buffers.metadata(batch, self.block_size, self.max_seq_len))
-            forward = self._forward(batch, metadata)
+            metadata = backend.prepare(self.buffers.metadata(batch, block_size, max_seq_len))
+            forward = self._forward(model, batch, metadata)
             forward()  # warm-up: compiles the kernels and fills the step plan before anything is recorded
-            self._outputs[batch], self._replays[batch] = capture(forward)
-        self.batch_sizes = sorted(self._outputs)
+            self._graphs[batch] = capture(forward)
+        self.batch_sizes = sorted(self._graphs)
+        self.num_replays = 0
         logger.info(
             "captured decode graphs for batch sizes %s in %.1f s", self.batch_sizes, time.perf_counter() - start
         )
 
-    def _forward(self, batch: int, metadata: AttentionMetadata) -> Forward:
+    def _forward(self, model: LlamaForCausalLM, batch: int, metadata: AttentionMetadata) -> Forward:
         buffers = self.buffers
-        assert buffers is not None
-        return lambda: self.model(buffers.input_ids[:batch], buffers.positions[:batch], metadata)
+        return lambda: model(buffers.input_ids[:batch], buffers.positions[:batch], metadata)
 
     def can_run(self, inputs: StepInputs) -> bool:
         metadata = inputs.metadata
         return (
-            self.buffers is not None
-            and metadata.is_decode_only
+            metadata.is_decode_only
             and metadata.num_seqs <= self.batch_sizes[-1]
-            and metadata.max_seq_len <= self.max_seq_len
             and metadata.block_tables.shape[1] <= self.buffers.max_blocks_per_seq
         )
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode step that `can_run`."""
-        assert self.buffers is not None
         n = len(inputs.input_ids)
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         self.buffers.load(inputs, batch)
-        self._replays[batch]()
+        output, replay = self._graphs[batch]
+        replay()
         self.num_replays += 1
-        return self._outputs[batch][:n]
+        return output[:n]

@@ -60,9 +60,9 @@ class ModelRunner:
 
     def capture_decode_graphs(self, batch_sizes: list[int], max_seq_len: int, capture: Capture) -> None:
         """From now on decode-only steps of up to max(batch_sizes) sequences replay recorded graphs."""
-        graphs = DecodeGraphs(self.model, self.backend, self.block_size, max_seq_len, self.device)
-        graphs.capture(batch_sizes, capture)
-        self.decode_graphs = graphs
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.backend, self.block_size, max_seq_len, batch_sizes, capture, self.device
+        )
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         """Flat inputs for all scheduled requests; vectorised over tokens, a loop only over requests."""

@@ -91,8 +91,9 @@ class Scheduler:
 
     def add_requests(self, requests: list[Request]) -> None:
         """Queues requests together (the n samples of one prompt are admitted or refused as one)."""
-        if len(self.waiting) + len(requests) > self.queue_capacity():
-            raise QueueFullError(f"the waiting queue is full ({self.max_queue_len} requests)")
+        capacity = self.queue_capacity()
+        if len(self.waiting) + len(requests) > capacity:
+            raise QueueFullError(f"the waiting queue is full ({len(self.waiting)} of {capacity} requests wait)")
         for request in requests:
             self._check_fits(request)
         for request in requests:
