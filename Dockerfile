@@ -48,15 +48,18 @@ RUN if [ "$VARIANT" = "cuda" ]; then \
        sh docker/install.sh /opt/venv/bin/python /src
 
 # ---- runtimes: what each variant needs besides the venv ---------------------------------------------------
-FROM base AS runtime-cpu
-
-FROM base AS runtime-cuda
-# Triton compiles a small C launcher the first time it runs a kernel: it needs a C compiler and libc headers.
-# Their versions are left to the base image's Debian release (point releases replace pinned versions).
+# Both compile C at first use, for the CPU or GPU they run on: the CPU decode-attention kernel
+# (kernels/cpu_native.py) and Triton's kernel launchers. That needs a C compiler and libc headers; their
+# versions are left to the base image's Debian release (point releases replace pinned versions).
+FROM base AS runtime-common
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
+
+FROM runtime-common AS runtime-cpu
+
+FROM runtime-common AS runtime-cuda
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 

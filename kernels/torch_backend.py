@@ -1,19 +1,22 @@
-"""CPU backend: the kernel contract in vectorised torch.
+"""CPU backend: the kernel contract in vectorised torch, with a native kernel for float32 decode.
 
-Decode sequences (one new token each) are sorted by length and attended in groups of similar length, one
-batched call per group, so little work goes to padding; sequences with several new tokens (prefill chunks)
-are attended one at a time, which is a loop over sequences, never over tokens. The gather indices and masks
-are planned once per step and shared by all layers.
+Decode sequences (one new token each) go to the native kernel (kernels/cpu_native.py), which reads their
+blocks in place. Where it cannot run (no C compiler, another dtype) they are sorted by length and attended
+in groups of similar length, one gather and one batched SDPA call per group, so little work goes to padding.
+Sequences with several new tokens (prefill chunks) are attended one at a time with SDPA, which is a loop over
+sequences, never over tokens. The plan is made once per step and shared by all layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
 from kernels.backend import AttentionBackend
+from kernels.cpu_native import DecodeAttention, decode_attention_kernel
 from kernels.metadata import AttentionMetadata
 
 DECODE_GROUP_SIZE = 16  # decode sequences per batched call: bounds padding to the group's longest
@@ -38,13 +41,36 @@ class _PrefillSlice:
 
 @dataclass
 class _TorchPlan:
-    decodes: list[_DecodeGroup]
+    metadata: AttentionMetadata = field(repr=False)
+    starts: list[int]  # query_start_loc on the host
+    decode_seqs: list[int]  # sequences with one new token, shortest first
     prefills: list[_PrefillSlice]
-    num_tokens: int
+
+    # The native kernel takes the longest sequences first, so its threads run out of work at about the same time.
+    @cached_property
+    def decode_seq_ids(self) -> torch.Tensor:
+        return torch.tensor(self.decode_seqs[::-1], dtype=torch.int64, device=self.metadata.block_tables.device)
+
+    @cached_property
+    def decode_rows(self) -> torch.Tensor:
+        rows = [self.starts[i] for i in reversed(self.decode_seqs)]
+        return torch.tensor(rows, dtype=torch.int64, device=self.metadata.block_tables.device)
+
+    @cached_property
+    def decode_groups(self) -> list[_DecodeGroup]:
+        seqs = self.decode_seqs
+        return [
+            _decode_group(self.metadata, seqs[first : first + DECODE_GROUP_SIZE], self.starts)
+            for first in range(0, len(seqs), DECODE_GROUP_SIZE)
+        ]
 
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, native: bool = True) -> None:
+        """native=False keeps decode on the gather + SDPA path (the oracle the native kernel is tested against)."""
+        self.native_decode: DecodeAttention | None = decode_attention_kernel() if native else None
 
     def write_kv(
         self,
@@ -74,14 +100,38 @@ class TorchBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         plan: _TorchPlan = metadata.plan if metadata.plan is not None else _plan(metadata)
-        out = torch.empty_like(query)
-        for group in plan.decodes:
-            out.index_copy_(0, group.rows, _decode_attention(query[group.rows], k_cache, v_cache, group, scale))
+        # Contiguous, whatever layout the projections left the query in: the native kernel reads raw rows.
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if plan.decode_seqs and self._runs_natively(query, k_cache, v_cache):
+            assert self.native_decode is not None
+            self.native_decode(
+                out,
+                query.contiguous(),
+                k_cache,
+                v_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                plan.decode_seq_ids,
+                plan.decode_rows,
+                scale,
+            )
+        elif plan.decode_seqs:
+            for group in plan.decode_groups:
+                decoded = _decode_attention(query[group.rows], k_cache, v_cache, group, scale)
+                out.index_copy_(0, group.rows, decoded)
         for piece in plan.prefills:
             out[piece.query_begin : piece.query_end] = _prefill_attention(
                 query[piece.query_begin : piece.query_end], k_cache, v_cache, piece, scale
             )
         return out
+
+    def _runs_natively(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        caches_fit = k_cache.is_contiguous() and v_cache.is_contiguous()
+        return (
+            self.native_decode is not None
+            and caches_fit
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (query, k_cache, v_cache))
+        )
 
 
 def _plan(metadata: AttentionMetadata) -> _TorchPlan:
@@ -91,12 +141,8 @@ def _plan(metadata: AttentionMetadata) -> _TorchPlan:
     decode_seqs = sorted(
         (i for i, n in enumerate(metadata.query_lens_host) if n == 1), key=lambda i: metadata.seq_lens_host[i]
     )
-    decodes = [
-        _decode_group(metadata, decode_seqs[first : first + DECODE_GROUP_SIZE], starts)
-        for first in range(0, len(decode_seqs), DECODE_GROUP_SIZE)
-    ]
     prefills = [_prefill_slice(metadata, seq, starts) for seq, n in enumerate(metadata.query_lens_host) if n > 1]
-    return _TorchPlan(decodes, prefills, starts[-1])
+    return _TorchPlan(metadata, starts, decode_seqs, prefills)
 
 
 def _decode_group(metadata: AttentionMetadata, seqs: list[int], starts: list[int]) -> _DecodeGroup:

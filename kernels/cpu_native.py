@@ -1,0 +1,169 @@
+"""Native CPU kernels, compiled on first use with the system C compiler for the host CPU.
+
+Decode attention on a CPU is bound by memory traffic, and torch has no paged-attention op: the torch path
+must gather a sequence's blocks into a contiguous copy before SDPA. `csrc/paged_decode_attention.c` reads
+the blocks in place instead. It is built the way Triton builds its launchers: at first use, with `cc`, into
+a cache keyed by the source, the flags, the compiler and the CPU, so later starts load it in milliseconds.
+Without a compiler (or with PAGEDSERVE_NATIVE_KERNELS=0) the torch path runs, after one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
+# -march=native: the library is built on, and only ever loaded by, the machine that runs it (the cache key
+# includes the CPU's flags). OpenMP resolves to the libgomp torch has already loaded, so the kernel and
+# torch share one thread pool.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+DecodeAttention = Callable[..., None]
+
+
+def native_kernels_enabled() -> bool:
+    return os.environ.get("PAGEDSERVE_NATIVE_KERNELS", "1") not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def decode_attention_kernel() -> DecodeAttention | None:
+    """`paged_decode_attention` bound to the compiled library, or None where it cannot be built."""
+    if not native_kernels_enabled():
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(SOURCE)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("native CPU decode attention unavailable, using the torch path: %s", exc)
+        return None
+    function = library.paged_decode_attention_f32
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    function.argtypes = [pointer] * 5 + [i64] + [pointer] * 3 + [i64] + [i32] * 4 + [ctypes.c_float, i32]
+    function.restype = i32
+    return functools.partial(_paged_decode_attention, function)
+
+
+def _paged_decode_attention(
+    function: Callable[..., int],
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_ids: torch.Tensor,
+    query_rows: torch.Tensor,
+    scale: float,
+) -> None:
+    """out[query_rows[i]] = attention of query[query_rows[i]] over sequence seq_ids[i]'s cached tokens.
+
+    query/out [rows, H, D] and the caches float32 and contiguous; block_tables [seqs, max_blocks] and
+    seq_lens int32; seq_ids and query_rows int64.
+    """
+    _check(out, query, k_cache, v_cache, block_tables, seq_lens, seq_ids, query_rows)
+    _, num_heads, head_dim = query.shape
+    status = function(
+        out.data_ptr(),
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        seq_ids.data_ptr(),
+        query_rows.data_ptr(),
+        seq_ids.numel(),
+        num_heads,
+        k_cache.shape[2],
+        head_dim,
+        k_cache.shape[1],
+        scale,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("paged_decode_attention: scratch allocation failed")
+
+
+def _check(out: torch.Tensor, query: torch.Tensor, *others: torch.Tensor) -> None:
+    """The kernel trusts its pointers: refuse anything it would misread."""
+    k_cache, v_cache, block_tables, seq_lens, seq_ids, query_rows = others
+    expected = {
+        "out": (out, torch.float32),
+        "query": (query, torch.float32),
+        "k_cache": (k_cache, torch.float32),
+        "v_cache": (v_cache, torch.float32),
+        "seq_lens": (seq_lens, torch.int32),
+        "seq_ids": (seq_ids, torch.int64),
+        "query_rows": (query_rows, torch.int64),
+    }
+    for name, (tensor, dtype) in expected.items():
+        if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous CPU {dtype} tensor, got {tensor.dtype} {tensor.device}")
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError("block_tables: expected int32 with contiguous rows")
+    if out.shape != query.shape or k_cache.shape != v_cache.shape or query.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"shapes disagree: out {out.shape}, query {query.shape}, caches {k_cache.shape}")
+    if query.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"{query.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+
+
+def _build(source: Path) -> Path:
+    """The shared library for `source`, compiled unless this exact build is cached."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (install gcc, or set CC)")
+    code = source.read_bytes()
+    key = hashlib.sha256(b"\0".join([code, " ".join(CFLAGS).encode(), _compiler_version(compiler), _cpu_flags()]))
+    target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run(
+            [compiler, *CFLAGS, str(source), "-o", str(built), "-lm"], capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {source.name}: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: a concurrent build of the same key just wins or loses the race
+    logger.info("compiled %s into %s", source.name, target)
+    return target
+
+
+def _compiler_version(compiler: str) -> bytes:
+    return subprocess.run([compiler, "--version"], capture_output=True, check=True, timeout=30).stdout
+
+
+def _cpu_flags() -> bytes:
+    """The host CPU's feature flags (Linux), so a cache shared between machines never loads a foreign build."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.encode()
+    except OSError:
+        pass
+    return os.uname().machine.encode()
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get("PAGEDSERVE_KERNEL_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    directory = base / "pagedserve" / "kernels"
+    with contextlib.suppress(OSError):  # unwritable: checked next
+        directory.mkdir(parents=True, exist_ok=True)
+    if os.access(directory, os.W_OK):
+        return directory
+    return Path(tempfile.gettempdir()) / f"pagedserve-kernels-{os.getuid()}"  # a read-only home

@@ -1,0 +1,135 @@
+"""The native CPU decode-attention kernel: against the reference, inside the torch backend, and its build."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from kernels import cpu_native
+from kernels.metadata import AttentionMetadata
+from kernels.torch_backend import TorchBackend
+from kernels.torch_reference import paged_attention_reference, write_kv_reference
+from tests.kernel_cases import MIXED_BATCHES, make_paged_case
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_native.DecodeAttention:
+    built = cpu_native.decode_attention_kernel()
+    assert built is not None, "the kernel must build wherever a C compiler is installed"
+    return built
+
+
+def _decode_all(kernel: cpu_native.DecodeAttention, case, seq_ids: list[int], rows: list[int]) -> torch.Tensor:
+    out = torch.full_like(case.query, float("nan"))
+    kernel(
+        out,
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.seq_lens,
+        torch.tensor(seq_ids, dtype=torch.int64),
+        torch.tensor(rows, dtype=torch.int64),
+        case.scale,
+    )
+    return out
+
+
+@pytest.mark.parametrize("seq_lens", [[1], [16], [17], [70, 33, 1, 5], [1000, 3, 257]])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32), (80, 8)])
+def test_decode_matches_reference(kernel, seq_lens, num_heads, num_kv_heads, head_dim, block_size) -> None:
+    case = make_paged_case(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size)
+    write_kv_reference(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    out = _decode_all(kernel, case, list(range(len(seq_lens))), list(range(len(seq_lens))))
+    expected = paged_attention_reference(
+        case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc, case.scale
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_writes_only_the_rows_it_is_given(kernel) -> None:
+    """seq_ids and query_rows pick sequences out of a wider batch, in any order; other rows stay untouched."""
+    case = make_paged_case([40, 9, 23], [1, 1, 1], num_heads=6, num_kv_heads=2)
+    write_kv_reference(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    out = _decode_all(kernel, case, [2, 0], [2, 0])
+    expected = paged_attention_reference(
+        case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc, case.scale
+    )
+    torch.testing.assert_close(out[[0, 2]], expected[[0, 2]], atol=1e-5, rtol=1e-5)
+    assert torch.isnan(out[1]).all()
+
+
+def test_decode_refuses_tensors_it_would_misread(kernel) -> None:
+    case = make_paged_case([20], [1])
+    args = [torch.empty_like(case.query), case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens]
+    ids = [torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+    with pytest.raises(ValueError, match="query"):
+        kernel(args[0], case.query.double(), *args[2:], *ids, case.scale)
+    with pytest.raises(ValueError, match="k_cache"):
+        kernel(*args[:2], case.k_cache.transpose(1, 2), *args[3:], *ids, case.scale)
+    with pytest.raises(ValueError, match="block_tables"):
+        kernel(*args[:4], case.block_tables.long(), *args[5:], *ids, case.scale)
+    with pytest.raises(ValueError, match="seq_ids"):
+        kernel(*args, ids[0].int(), ids[1], case.scale)
+
+
+@pytest.mark.parametrize("seq_lens,query_lens", MIXED_BATCHES)
+def test_backend_with_and_without_native_decode_agree(kernel, seq_lens, query_lens) -> None:
+    case = make_paged_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3)
+    write_kv_reference(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    outputs = []
+    for backend in (TorchBackend(native=True), TorchBackend(native=False)):
+        metadata = AttentionMetadata.from_tensors(
+            case.block_tables, case.seq_lens, case.query_start_loc, case.k_cache.shape[1]
+        )
+        # A transposed (strided) query, as the CPU projections leave it: the backend must read it right.
+        strided_query = case.query.flatten(1).t().contiguous().t().view_as(case.query)
+        plan = backend.prepare(metadata)
+        outputs.append(backend.paged_attention(strided_query, case.k_cache, case.v_cache, plan, case.scale))
+    assert TorchBackend(native=True).native_decode is not None
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """A private cache directory and no memoised kernel, restored afterwards."""
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE_DIR", str(tmp_path))
+    cpu_native.decode_attention_kernel.cache_clear()
+    yield tmp_path
+    cpu_native.decode_attention_kernel.cache_clear()
+
+
+def test_build_is_cached_on_disk(fresh_build) -> None:
+    first = cpu_native._build(cpu_native.SOURCE)
+    built_at = first.stat().st_mtime_ns
+    assert first.parent == fresh_build and cpu_native._build(cpu_native.SOURCE) == first
+    assert first.stat().st_mtime_ns == built_at
+    assert [p.name for p in fresh_build.iterdir()] == [first.name]  # no scratch files left behind
+
+
+def test_without_a_working_compiler_the_torch_path_runs(fresh_build, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+        assert cpu_native.decode_attention_kernel() is None
+    assert "using the torch path" in caplog.text
+    backend = TorchBackend()
+    assert backend.native_decode is None
+    case = make_paged_case([30, 5], [1, 1])
+    metadata = AttentionMetadata.from_tensors(case.block_tables, case.seq_lens, case.query_start_loc, 16)
+    out = backend.paged_attention(case.query, case.k_cache, case.v_cache, backend.prepare(metadata), case.scale)
+    expected = paged_attention_reference(
+        case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc, case.scale
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_native_kernels_can_be_switched_off(fresh_build, monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_NATIVE_KERNELS", "0")
+    assert cpu_native.decode_attention_kernel() is None
+    assert list(fresh_build.iterdir()) == []
