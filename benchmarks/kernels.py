@@ -60,24 +60,40 @@ def copy_bandwidth_gbps() -> float:
     return 2 * COPY_BYTES / time_ms(lambda: dst.copy_(src)) / 1e6
 
 
-def paged_decode_inputs(batch: int, context: int) -> tuple[torch.Tensor, ...]:
+@dataclass(frozen=True)
+class DecodeShape:
+    """One attention layer's shape and where its cache lives."""
+
+    num_heads: int = NUM_HEADS
+    num_kv_heads: int = NUM_KV_HEADS
+    head_dim: int = HEAD_DIM
+    block_size: int = BLOCK_SIZE
+    dtype: torch.dtype = DTYPE
+    device: str = "cuda"
+
+
+def paged_decode_inputs(batch: int, context: int, shape: DecodeShape = DecodeShape()) -> tuple[torch.Tensor, ...]:
     """query [B, H, D], caches, and block tables that scatter each sequence over random blocks."""
-    blocks_per_seq = context // BLOCK_SIZE
+    blocks_per_seq = context // shape.block_size
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    cache_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    k_cache = torch.randn(cache_shape, dtype=shape.dtype, device=shape.device)
     v_cache = torch.randn_like(k_cache)
-    block_tables = torch.randperm(num_blocks, device="cuda").int().view(batch, blocks_per_seq)
-    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    block_tables = torch.randperm(num_blocks, device=shape.device).int().view(batch, blocks_per_seq)
+    query = torch.randn(batch, shape.num_heads, shape.head_dim, dtype=shape.dtype, device=shape.device)
     return query, k_cache, v_cache, block_tables
 
 
-def decode_metadata(batch: int, context: int, block_tables: torch.Tensor) -> AttentionMetadata:
+def decode_metadata(
+    batch: int, context: int, block_tables: torch.Tensor, block_size: int = BLOCK_SIZE
+) -> AttentionMetadata:
+    device = block_tables.device
     return AttentionMetadata(
         block_tables=block_tables,
-        seq_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-        slot_mapping=torch.full((batch,), -1, dtype=torch.long, device="cuda"),
-        block_size=BLOCK_SIZE,
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((batch,), -1, dtype=torch.long, device=device),
+        block_size=block_size,
         query_lens_host=[1] * batch,
         seq_lens_host=[context] * batch,
     )
