@@ -95,9 +95,17 @@ def _paged_decode_attention(
         raise MemoryError("paged_decode_attention: scratch allocation failed")
 
 
-def _check(out: torch.Tensor, query: torch.Tensor, *others: torch.Tensor) -> None:
+def _check(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_ids: torch.Tensor,
+    query_rows: torch.Tensor,
+) -> None:
     """The kernel trusts its pointers: refuse anything it would misread."""
-    k_cache, v_cache, block_tables, seq_lens, seq_ids, query_rows = others
     expected = {
         "out": (out, torch.float32),
         "query": (query, torch.float32),
