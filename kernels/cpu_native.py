@@ -2,9 +2,10 @@
 
 Decode attention on a CPU is bound by memory traffic, and torch has no paged-attention op: the torch path
 must gather a sequence's blocks into a contiguous copy before SDPA. `csrc/paged_decode_attention.c` reads
-the blocks in place instead. It is built the way Triton builds its launchers: at first use, with `cc`, into
-a cache keyed by the source, the flags, the compiler and the CPU, so later starts load it in milliseconds.
-Without a compiler (or with PAGEDSERVE_NATIVE_KERNELS=0) the torch path runs, after one warning.
+the blocks in place instead. (`csrc/layer_ops.c`, the fused norm/activation/rotary ops, is bound in
+kernels/cpu_layer_ops.py.) Each source is built the way Triton builds its launchers: at first use, with `cc`,
+into a cache keyed by the source, the flags, the compiler and the CPU, so later starts load it in
+milliseconds. Without a compiler (or with PAGEDSERVE_NATIVE_KERNELS=0) the torch path runs, after one warning.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
+SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCE = SOURCE_DIR / "paged_decode_attention.c"
 # -march=native: the library is built on, and only ever loaded by, the machine that runs it (the cache key
-# includes the CPU's flags). OpenMP resolves to the libgomp torch has already loaded, so the kernel and
-# torch share one thread pool.
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+# includes the CPU's flags). OpenMP resolves to the libgomp torch has already loaded, so the kernels and
+# torch share one thread pool. No errno and no FP traps (neither changes a result) let the compiler vectorise
+# sqrt and compare-and-select; -std=c11 keeps it from fusing a * b + c into an FMA, which would round unlike
+# torch.
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 DecodeAttention = Callable[..., None]
 
 
@@ -38,14 +42,22 @@ def native_kernels_enabled() -> bool:
 
 
 @functools.cache
-def decode_attention_kernel() -> DecodeAttention | None:
-    """`paged_decode_attention` bound to the compiled library, or None where it cannot be built."""
+def native_library(source: Path) -> ctypes.CDLL | None:
+    """The compiled `source` (built now unless cached), or None where it cannot be built or is switched off."""
     if not native_kernels_enabled():
         return None
     try:
-        library = ctypes.CDLL(str(_build(SOURCE)))
+        return ctypes.CDLL(str(_build(source)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("native CPU decode attention unavailable, using the torch path: %s", exc)
+        logger.warning("native CPU kernels of %s unavailable, using the torch path: %s", source.name, exc)
+        return None
+
+
+@functools.cache
+def decode_attention_kernel() -> DecodeAttention | None:
+    """`paged_decode_attention` bound to the compiled library, or None where it cannot be built."""
+    library = native_library(SOURCE)
+    if library is None:
         return None
     function = library.paged_decode_attention_f32
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_native
+from kernels import cpu_layer_ops, cpu_native
 from kernels.metadata import AttentionMetadata
 from kernels.torch_backend import TorchBackend
 from kernels.torch_reference import paged_attention_reference, write_kv_reference
@@ -100,9 +100,14 @@ def test_backend_with_and_without_native_decode_agree(kernel, seq_lens, query_le
 def fresh_build(monkeypatch, tmp_path):
     """A private cache directory and no memoised kernel, restored afterwards."""
     monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE_DIR", str(tmp_path))
-    cpu_native.decode_attention_kernel.cache_clear()
+    _forget_built_kernels()
     yield tmp_path
-    cpu_native.decode_attention_kernel.cache_clear()
+    _forget_built_kernels()
+
+
+def _forget_built_kernels() -> None:
+    for cached in (cpu_native.native_library, cpu_native.decode_attention_kernel, cpu_layer_ops.layer_ops):
+        cached.cache_clear()
 
 
 def test_build_is_cached_on_disk(fresh_build) -> None:
@@ -132,4 +137,5 @@ def test_without_a_working_compiler_the_torch_path_runs(fresh_build, monkeypatch
 def test_native_kernels_can_be_switched_off(fresh_build, monkeypatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_NATIVE_KERNELS", "0")
     assert cpu_native.decode_attention_kernel() is None
+    assert cpu_layer_ops.layer_ops() is None
     assert list(fresh_build.iterdir()) == []

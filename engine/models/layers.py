@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from kernels.cpu_layer_ops import layer_ops_for
 
 # On CPU, batches of up to this many rows compute x @ W^T as (W @ x^T)^T: the same product, which MKL blocks
 # better in that orientation when x has few rows. Measured on every projection of SmolLM2 (fp32, 2 cores,
@@ -24,6 +28,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
+def in_linear_output_layout(x: torch.Tensor) -> torch.Tensor:
+    """x [T, F] laid out the way linear() returns its outputs, so that the residual stream and the layer
+    outputs added to it share one layout (the fused CPU ops then read both in one pass)."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > TRANSPOSED_GEMM_MAX_ROWS:
+        return x
+    return x.t().contiguous().t()
+
+
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -36,10 +48,44 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = layer_ops_for(x) if x.dim() == 2 else None
+        if ops is not None:
+            return ops.add_rms_norm(x, None, self.weight, self.eps)
+        return self._normalize(x)
+
+    def add_and_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(residual + x), residual + x). On the CPU the sum is written into `residual` itself."""
+        ops = layer_ops_for(x)
+        if ops is not None:
+            return ops.add_rms_norm(residual, x, self.weight, self.eps), residual
+        residual = residual + x
+        return self._normalize(residual), residual
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and cast back before the weight, exactly as transformers does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+@dataclass
+class RotaryAngles:
+    """cos and sin of one step's positions, looked up once and shared by every layer."""
+
+    cos: torch.Tensor  # [T, head_dim]: each frequency twice, as transformers' tables hold it
+    sin: torch.Tensor
+
+    @cached_property
+    def token_major_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, head_dim / 2] each: the fused CPU op's tables for token-major activations."""
+        half = self.cos.shape[-1] // 2
+        return self.cos[:, :half].contiguous(), self.sin[:, :half].contiguous()
+
+    @cached_property
+    def feature_major_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[head_dim / 2, T] each: the tables for feature-major activations."""
+        cos, sin = self.token_major_halves
+        return cos.t().contiguous(), sin.t().contiguous()
 
 
 class RotaryEmbedding(nn.Module):
@@ -55,13 +101,28 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
+    def angles(self, positions: torch.Tensor) -> RotaryAngles:
+        return RotaryAngles(self.cos[positions], self.sin[positions])
+
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self, angles: RotaryAngles, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [T, H, D], key [T, KVH, D] rotated by their positions [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(query.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(query.dtype)
+        """query [T, H, D], key [T, KVH, D] rotated by their positions' angles; on the CPU in place."""
+        ops = layer_ops_for(query)
+        if ops is not None and _heads_in_feature_order(query) and _heads_in_feature_order(key):
+            halves = angles.token_major_halves if query.stride(-1) == 1 else angles.feature_major_halves
+            ops.rotary(query, *halves)
+            ops.rotary(key, *halves)
+            return query, key
+        cos = angles.cos.unsqueeze(1).to(query.dtype)
+        sin = angles.sin.unsqueeze(1).to(query.dtype)
         return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _heads_in_feature_order(x: torch.Tensor) -> bool:
+    """x [T, H, D] is a view of a token-major or feature-major [T, H * D] activation."""
+    token_stride, head_stride, feature_stride = x.stride()
+    return head_stride == x.shape[2] * feature_stride and 1 in (token_stride, feature_stride)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -96,5 +157,9 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = layer_ops_for(gate_up)
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

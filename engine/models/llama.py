@@ -12,7 +12,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear
+from engine.models.layers import (
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryAngles,
+    RotaryEmbedding,
+    in_linear_output_layout,
+    linear,
+)
 from engine.models.spec import ModelSpec
 from kernels import AttentionBackend, AttentionMetadata
 
@@ -34,14 +42,14 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         self.kv_cache: KVCache | None = None
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, angles: RotaryAngles, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(angles, q, k)
         assert self.kv_cache is not None, "bind_kv_caches() before the first forward"
         k_cache, v_cache = self.kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
@@ -57,16 +65,25 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, angles: RotaryAngles, hidden: torch.Tensor, residual: torch.Tensor | None, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it). The residual add is folded into the next
+        norm, so the caller adds the returned output to the stream: hidden + residual is the layer's result."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm.add_and_forward(hidden, residual)
+        hidden = self.self_attn(angles, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm.add_and_forward(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, hf_config: Any, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.spec = spec
-        rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_parameters, hf_config)
+        self.rotary = rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_parameters, hf_config)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, rotary, backend) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -79,10 +96,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of the flat batch input_ids [T] at positions [T]."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = in_linear_output_layout(self.embed_tokens(input_ids))
+        angles = self.rotary.angles(positions)
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(angles, hidden, residual, metadata)
+        assert residual is not None, "a model has at least one layer"
+        return self.norm.add_and_forward(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -10,7 +10,7 @@
  * One sequence is one unit of work; its query heads are handled together so that every key and value row
  * serves all the heads that share it (GQA) while it is in cache.
  *
- * Built at first use with the system C compiler (kernels/cpu_kernels.py), for the host CPU.
+ * Built at first use with the system C compiler (kernels/cpu_native.py), for the host CPU.
  */
 #include <math.h>
 #include <stdint.h>
