@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kernels.cpu_layer_ops import layer_ops_for
+from kernels.cpu_linear import skinny_linear_for
 
 # On CPU, batches of up to this many rows compute x @ W^T as (W @ x^T)^T: the same product, which MKL blocks
 # better in that orientation when x has few rows. Measured on every projection of SmolLM2 (fp32, 2 cores,
@@ -24,6 +25,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear for x [T, in], in whichever orientation is faster on x's device (see above)."""
     if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > TRANSPOSED_GEMM_MAX_ROWS:
         return F.linear(x, weight, bias)
+    skinny = skinny_linear_for(x, weight)
+    if skinny is not None:
+        return skinny(x, weight, bias)
     out = torch.mm(weight, x.t()).t()
     return out if bias is None else out + bias
 

@@ -1,0 +1,117 @@
+/*
+ * y = x @ W^T + bias for a few tokens (a decode batch), float32, for the CPU.
+ *
+ * A decode step multiplies every weight matrix by a batch of 1 to ~64 tokens. BLAS libraries tune for
+ * large square products; at these shapes MKL reaches under a quarter of this CPU's float32 peak (measured
+ * on SmolLM2's projections: ~40 GFLOP/s at 20 tokens, against ~170 for two cores), and the weights are the
+ * only large operand. This kernel reads each weight row from memory once a call (later token columns find
+ * it in cache) and keeps a tile of outputs in registers.
+ *
+ * Layout: activations are feature-major (the transposed view engine/models/layers.py passes between the
+ * CPU ops for small batches): xt is [K, M], one row per input feature, `ldx` floats apart; out is [N, M],
+ * `ldo` floats apart. W is [N, K], contiguous (nn.Linear's weight).
+ *
+ * Register tile: ROWS weight rows x one or two vectors of tokens. For each input feature k, the tile loads
+ * its token vectors from xt and broadcasts one weight per row: 2 * ROWS fused multiply-adds per 2 + ROWS
+ * loads. Token columns past the last whole vector go through a zero-padded copy. Written with GCC vector extensions, so it compiles to AVX2/AVX-512/NEON as the host has.
+ *
+ * Built at first use with the system C compiler (kernels/cpu_native.py), for the host CPU.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 8
+/* A vector of floats that may sit at any float's address and alias plain floats. */
+typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float)), may_alias));
+
+enum { ROWS = 6, WIDE = 2 * LANES };
+
+static inline vec load(const float *p) { return *(const vec *)p; }
+
+static inline void store(float *p, vec v) { *(vec *)p = v; }
+
+static inline vec splat(float value) { return (vec){value, value, value, value, value, value, value, value}; }
+
+/*
+ * out[r, 0:vecs * LANES] = sum_k w[r, k] * xt[k, 0:vecs * LANES] + bias[r], r < rows. Always inlined with
+ * constant rows and vecs, so the loops unroll and the accumulators live in registers.
+ */
+static inline __attribute__((always_inline)) void tile(float *out, int64_t ldo, const float *xt, int64_t ldx,
+                                                        const float *w, int64_t K, const float *bias, const int rows,
+                                                        const int vecs) {
+    /* Named accumulators, not an array: GCC keeps these in registers through the k loop. */
+    vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
+    vec b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, b4 = {0}, b5 = {0};
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K, *w4 = w + 4 * K, *w5 = w + 5 * K;
+    for (int64_t k = 0; k < K; ++k) {
+        const vec x0 = load(xt + k * ldx), x1 = vecs == 2 ? load(xt + k * ldx + LANES) : x0;
+#define ACCUMULATE(r)                                                                                             \
+    if (rows > r) {                                                                                               \
+        const vec weight = splat(w##r[k]);                                                                       \
+        a##r += weight * x0;                                                                                      \
+        if (vecs == 2) b##r += weight * x1;                                                                       \
+    }
+        ACCUMULATE(0) ACCUMULATE(1) ACCUMULATE(2) ACCUMULATE(3) ACCUMULATE(4) ACCUMULATE(5)
+#undef ACCUMULATE
+    }
+#define STORE(r)                                                                                                  \
+    if (rows > r) {                                                                                               \
+        const vec b = splat(bias ? bias[r] : 0.0f);                                                               \
+        store(out + r * ldo, a##r + b);                                                                           \
+        if (vecs == 2) store(out + r * ldo + LANES, b##r + b);                                                    \
+    }
+    STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
+#undef STORE
+}
+
+/* The kernel for a tile of `rows` weight rows and `vecs` vectors of tokens. */
+typedef void tile_kernel(float *, int64_t, const float *, int64_t, const float *, int64_t, const float *);
+#define TILE_KERNEL(rows, vecs)                                                                                   \
+    static void tile_##rows##x##vecs(float *out, int64_t ldo, const float *xt, int64_t ldx, const float *w,       \
+                                     int64_t K, const float *bias) {                                              \
+        tile(out, ldo, xt, ldx, w, K, bias, rows, vecs);                                                          \
+    }
+TILE_KERNEL(1, 1) TILE_KERNEL(2, 1) TILE_KERNEL(3, 1) TILE_KERNEL(4, 1) TILE_KERNEL(5, 1) TILE_KERNEL(6, 1)
+TILE_KERNEL(1, 2) TILE_KERNEL(2, 2) TILE_KERNEL(3, 2) TILE_KERNEL(4, 2) TILE_KERNEL(5, 2) TILE_KERNEL(6, 2)
+static tile_kernel *const TILES[2][ROWS] = {
+    {tile_1x1, tile_2x1, tile_3x1, tile_4x1, tile_5x1, tile_6x1},
+    {tile_1x2, tile_2x2, tile_3x2, tile_4x2, tile_5x2, tile_6x2},
+};
+
+/* Every token column of `rows` weight rows; columns past the last full vector go through a padded copy. */
+static void row_block(float *out, int64_t ldo, const float *xt, int64_t ldx, const float *w, int64_t K,
+                      const float *bias, int64_t M, int rows, const float *tail_x) {
+    int64_t m = 0;
+    for (; m + WIDE <= M; m += WIDE) TILES[1][rows - 1](out + m, ldo, xt + m, ldx, w, K, bias);
+    for (; m + LANES <= M; m += LANES) TILES[0][rows - 1](out + m, ldo, xt + m, ldx, w, K, bias);
+    if (m == M) return;
+    float tail_out[ROWS * LANES];
+    TILES[0][rows - 1](tail_out, LANES, tail_x, LANES, w, K, bias);
+    for (int r = 0; r < rows; ++r) memcpy(out + r * ldo + m, tail_out + r * LANES, sizeof(float) * (M - m));
+}
+
+/*
+ * out[n, m] = sum_k w[n, k] * xt[k, m] + bias[n] (bias may be NULL), for n < N, m < M. Returns 0, or -1 if
+ * scratch memory ran out (out is then not written).
+ */
+int skinny_linear_f32(float *out, int64_t ldo, const float *xt, int64_t ldx, const float *w, const float *bias,
+                      int64_t M, int64_t N, int64_t K, int num_threads) {
+    /* The last M % LANES token columns, zero-padded to a full vector: shared, read-only, by all threads. */
+    const int64_t tail = M % LANES, first_tail = M - tail;
+    float *tail_x = NULL;
+    if (tail) {
+        tail_x = calloc((size_t)K * LANES, sizeof(float));
+        if (tail_x == NULL) return -1;
+        for (int64_t k = 0; k < K; ++k) memcpy(tail_x + k * LANES, xt + k * ldx + first_tail, sizeof(float) * tail);
+    }
+    const int64_t blocks = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t block = 0; block < blocks; ++block) {
+        const int64_t n = block * ROWS;
+        const int rows = N - n < ROWS ? (int)(N - n) : ROWS;
+        row_block(out + n * ldo, ldo, xt, ldx, w + n * K, K, bias ? bias + n : NULL, M, rows, tail_x);
+    }
+    free(tail_x);
+    return 0;
+}

@@ -1,0 +1,79 @@
+"""The CPU skinny linear kernel (kernels/cpu_linear.py) against torch's matmul, and where it is used."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from engine.models.layers import linear
+from kernels.cpu_linear import MAX_ROWS, MIN_ROWS, SkinnyLinear, skinny_linear_for, skinny_linear_kernel
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> SkinnyLinear:
+    built = skinny_linear_kernel()
+    assert built is not None, "the kernel must build wherever a C compiler is installed"
+    return built
+
+
+# Token counts around each vector (8) and tile (16) boundary; output rows around the 6-row tile.
+@pytest.mark.parametrize("tokens", [1, 7, 8, 9, 16, 20, 33, 64])
+@pytest.mark.parametrize(("out_features", "in_features"), [(12, 40), (13, 8), (5, 33), (96, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_torch(kernel: SkinnyLinear, tokens: int, out_features: int, in_features: int, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(tokens * 1000 + out_features)
+    x = torch.randn(in_features, tokens, generator=generator).t()  # feature-major, as the layers pass it
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    out = kernel(x, weight, bias)
+    # float32 sums of up to 576 terms, added in another order than MKL's: a few ulp of the sum apart
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    assert out.shape == (tokens, out_features) and out.stride(0) == 1, "feature-major out"
+
+
+def test_token_major_and_padded_inputs(kernel: SkinnyLinear) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(30, 24, generator=generator)
+    for x in (
+        torch.randn(19, 24, generator=generator),  # token-major: the kernel transposes a copy
+        torch.randn(24, 25, generator=generator).t()[:19],  # feature-major inside a wider buffer
+    ):
+        torch.testing.assert_close(
+            kernel(x, weight, None), x @ weight.t(), rtol=1e-5, atol=1e-4
+        )  # float32 sums of up to 576 terms, in another order
+
+
+def test_applies_only_to_float32_cpu_batches_in_range() -> None:
+    weight = torch.randn(8, 8)
+    assert skinny_linear_for(torch.randn(MIN_ROWS, 8), weight) is not None
+    assert skinny_linear_for(torch.randn(MAX_ROWS, 8), weight) is not None
+    assert skinny_linear_for(torch.randn(MIN_ROWS - 1, 8), weight) is None
+    assert skinny_linear_for(torch.randn(MAX_ROWS + 1, 8), weight) is None
+    assert skinny_linear_for(torch.randn(16, 8, dtype=torch.bfloat16), weight.bfloat16()) is None
+    assert skinny_linear_for(torch.randn(16, 8, requires_grad=True), weight) is None
+
+
+def test_linear_layer_routes_decode_batches_through_it(kernel: SkinnyLinear) -> None:
+    x = torch.randn(16, 32)
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    torch.testing.assert_close(
+        linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4
+    )  # float32 sums of up to 576 terms, in another order
+
+
+@pytest.mark.parametrize(
+    "weight, bias",
+    [
+        (torch.randn(8, 12)[:, :10], None),  # not contiguous
+        (torch.randn(8, 9), None),  # wrong input width
+        (torch.randn(8, 10), torch.randn(7)),  # wrong bias length
+        (torch.randn(8, 10), torch.randn(8, dtype=torch.float64)),  # wrong bias dtype
+    ],
+)
+def test_arguments_the_kernel_would_misread_are_refused(kernel: SkinnyLinear, weight, bias) -> None:
+    with pytest.raises(ValueError):
+        kernel(torch.randn(16, 10), weight, bias)
