@@ -152,7 +152,7 @@ def _build(source: Path) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found (install gcc, or set CC)")
-    code = source.read_bytes()
+    code = b"\0".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.h"))])  # + headers
     key = hashlib.sha256(b"\0".join([code, " ".join(CFLAGS).encode(), _compiler_version(compiler), _cpu_flags()]))
     target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():

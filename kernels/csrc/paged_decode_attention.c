@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "vector_math.h"
+
 /* Rows a, b, c, d of keys (stride apart) against one query: four independent sums keep the FMA units busy. */
 static inline void dot4(float *restrict out, const float *restrict query, const float *restrict key, int64_t stride,
                         int n, float scale) {
@@ -80,10 +82,12 @@ static void softmax_rows(float *scores, int num_heads, int len) {
     for (int h = 0; h < num_heads; ++h) {
         float *row = scores + (int64_t)h * len;
         float max = row[0];
+#pragma omp simd reduction(max : max)
         for (int t = 1; t < len; ++t) max = row[t] > max ? row[t] : max;
         float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
         for (int t = 0; t < len; ++t) {
-            row[t] = expf(row[t] - max);
+            row[t] = exp_negative(max - row[t]);
             sum += row[t];
         }
         const float inverse = 1.0f / sum;
