@@ -108,6 +108,11 @@ def layer_ops_for(x: torch.Tensor) -> LayerOps | None:
     return layer_ops()
 
 
+def is_dense_activation(x: torch.Tensor) -> bool:
+    """x is a [T, F] activation laid out densely, token-major or feature-major (what add_rms_norm takes)."""
+    return x.dim() == 2 and (x.is_contiguous() or x.t().is_contiguous())
+
+
 def _layout(x: torch.Tensor) -> tuple[int, int]:
     """(token stride, feature stride) of a [T, F] activation; one of them must be 1."""
     if x.dim() != 2:

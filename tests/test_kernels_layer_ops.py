@@ -150,3 +150,14 @@ def test_autograd_inputs_keep_the_torch_path() -> None:
 def test_layouts_the_kernels_would_misread_are_refused(ops: LayerOps, call) -> None:
     with pytest.raises(ValueError):
         call(ops)
+
+
+def test_rms_norm_module_takes_activations_the_fused_op_does_not(ops: LayerOps) -> None:
+    norm = RMSNorm(16, 1e-6)
+    strided = torch.randn(6, 32)[:, ::2]  # neither layout: the torch path runs
+    delta = torch.randn(6, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(norm(strided), norm._normalize(strided))
+        out, stream = norm.add_and_forward(delta, strided)
+    torch.testing.assert_close(stream, strided + delta)
+    torch.testing.assert_close(out, norm._normalize(strided + delta))

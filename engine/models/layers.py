@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kernels.cpu_layer_ops import layer_ops_for
+from kernels.cpu_layer_ops import is_dense_activation, layer_ops_for
 from kernels.cpu_linear import skinny_linear_for
 
 # On CPU, batches of up to this many rows compute x @ W^T as (W @ x^T)^T: the same product, which MKL blocks
@@ -52,14 +52,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = layer_ops_for(x) if x.dim() == 2 else None
+        ops = layer_ops_for(x) if is_dense_activation(x) else None
         if ops is not None:
             return ops.add_rms_norm(x, None, self.weight, self.eps)
         return self._normalize(x)
 
     def add_and_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(residual + x), residual + x). On the CPU the sum is written into `residual` itself."""
-        ops = layer_ops_for(x)
+        ops = layer_ops_for(x) if is_dense_activation(residual) and x.dim() == 2 else None
         if ops is not None:
             return ops.add_rms_norm(residual, x, self.weight, self.eps), residual
         residual = residual + x
