@@ -17,7 +17,7 @@ from kernels.cpu_native import SOURCE_DIR, native_library
 
 SOURCE = SOURCE_DIR / "skinny_linear.c"
 # Token counts the kernel takes. Measured over a step's projections of SmolLM2 (benchmarks/cpu_linear.py, 2
-# cores): 1.1-2.0x torch's matmul at 1-48 tokens, 1.0-1.2x at 64-128.
+# cores, two runs): 1.4-2.3x torch's matmul at 4-32 tokens, 0.95-1.4x at 1 and at 48-128.
 MIN_ROWS, MAX_ROWS = 1, 128
 SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
