@@ -12,10 +12,7 @@ and torch/native (above 1: the kernel is faster).
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: import the `kernels` package, not this script
@@ -23,7 +20,7 @@ if __package__ in (None, ""):  # run as a file: import the `kernels` package, no
 
 import torch
 
-from benchmarks.kernels import DecodeShape, decode_metadata, paged_decode_inputs
+from benchmarks.kernels import DecodeShape, cpu_median_ms, decode_metadata, paged_decode_inputs
 from kernels.torch_backend import TorchBackend
 
 SMOLLM2 = DecodeShape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32, device="cpu")
@@ -34,19 +31,9 @@ NUM_LAYERS = 30
 REPEATS = 10
 
 
-def median_ms(fn: Callable[[], object]) -> float:
-    fn()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000.0
-
-
 def read_bandwidth_gbps() -> float:
     data = torch.randn(50_000_000)
-    return data.numel() * data.element_size() / median_ms(data.sum) / 1e6
+    return data.numel() * data.element_size() / cpu_median_ms(data.sum, REPEATS) / 1e6
 
 
 def step_ms(backend: TorchBackend, batch: int, context: int, layers: list[tuple[torch.Tensor, ...]]) -> float:
@@ -57,7 +44,7 @@ def step_ms(backend: TorchBackend, batch: int, context: int, layers: list[tuple[
         for query, k_cache, v_cache, _ in layers:
             backend.paged_attention(query, k_cache, v_cache, metadata, SCALE)
 
-    return median_ms(step)
+    return cpu_median_ms(step, REPEATS)
 
 
 def main() -> int:

@@ -11,10 +11,7 @@ they reach, and torch/kernel (above 1: the kernel is faster). Batch sizes outsid
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: import the `kernels` package, not benchmarks/kernels.py
@@ -22,6 +19,7 @@ if __package__ in (None, ""):  # run as a file: import the `kernels` package, no
 
 import torch
 
+from benchmarks.kernels import cpu_median_ms
 from kernels.cpu_linear import MAX_ROWS, MIN_ROWS, skinny_linear_kernel
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of each projection
@@ -29,16 +27,6 @@ LM_HEAD = (49152, 576)
 NUM_LAYERS = 30
 BATCH_SIZES = (1, 4, 8, 16, 20, 32, 48, 64, 96, 128, 192)
 REPEATS = 5
-
-
-def median_ms(fn: Callable[[], object]) -> float:
-    fn()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def step_weights() -> list[torch.Tensor]:
@@ -60,8 +48,8 @@ def main() -> None:
         # feature-major, as the layers pass activations
         inputs = {width: torch.randn(width, tokens).t() for width in {w.shape[1] for w in weights}}
         pairs = [(inputs[w.shape[1]], w) for w in weights]
-        torch_ms = median_ms(lambda pairs=pairs: [torch.mm(w, x.t()) for x, w in pairs])
-        kernel_ms = median_ms(lambda pairs=pairs: [kernel(x, w, None) for x, w in pairs])
+        torch_ms = cpu_median_ms(lambda pairs=pairs: [torch.mm(w, x.t()) for x, w in pairs], REPEATS)
+        kernel_ms = cpu_median_ms(lambda pairs=pairs: [kernel(x, w, None) for x, w in pairs], REPEATS)
         gflop = flop_per_token * tokens / 1e9
         print(
             f"| {tokens} | {torch_ms:.1f} | {kernel_ms:.1f} | {gflop / torch_ms * 1000:.0f} | "

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,6 +53,17 @@ def time_ms(fn: Callable[[], object]) -> float:
     from triton.testing import do_bench_cudagraph
 
     return do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def cpu_median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of one call on the CPU, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
 
 
 def copy_bandwidth_gbps() -> float:

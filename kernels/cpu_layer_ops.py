@@ -52,10 +52,10 @@ class LayerOps:
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
         """hidden += delta in place (when given), then RMSNorm(hidden) * weight, in hidden's layout."""
+        if not is_dense_activation(hidden):  # out is allocated like hidden
+            raise ValueError(f"hidden must be dense in either layout, got strides {hidden.stride()}")
         token_stride, feature_stride = _layout(hidden)
         tokens, features = hidden.shape
-        if (token_stride, feature_stride) not in ((features, 1), (1, tokens)):  # out is allocated like hidden
-            raise ValueError(f"hidden must be dense in either layout, got strides {hidden.stride()}")
         if delta is not None and delta.stride() != hidden.stride():
             delta = torch.empty_like(hidden).copy_(delta)  # layouts differ: one copy, then a single pass
         out = torch.empty_like(hidden)
@@ -75,10 +75,10 @@ class LayerOps:
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotates x [T, H, D] in place; cos, sin [T, D/2] when x is token-major, [D/2, T] when feature-major."""
-        tokens, heads, head_dim = x.shape
-        token_stride, head_stride, feature_stride = x.stride()
-        if head_stride != head_dim * feature_stride or 1 not in (token_stride, feature_stride):
+        if not heads_in_feature_order(x):
             raise ValueError(f"x must keep each token's heads in feature order, got strides {x.stride()}")
+        tokens, heads, head_dim = x.shape
+        token_stride, _, feature_stride = x.stride()
         expected = (tokens, head_dim // 2) if feature_stride == 1 else (head_dim // 2, tokens)
         if cos.shape != expected or sin.shape != expected or not (cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError(f"cos and sin must be contiguous {expected}, got {tuple(cos.shape)}")
@@ -106,6 +106,12 @@ def layer_ops_for(x: torch.Tensor) -> LayerOps | None:
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad:
         return None
     return layer_ops()
+
+
+def heads_in_feature_order(x: torch.Tensor) -> bool:
+    """x [T, H, D] is a view of a token-major or feature-major [T, H * D] activation (what rotary takes)."""
+    token_stride, head_stride, feature_stride = x.stride()
+    return head_stride == x.shape[2] * feature_stride and 1 in (token_stride, feature_stride)
 
 
 def is_dense_activation(x: torch.Tensor) -> bool:

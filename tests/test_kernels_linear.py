@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.models.layers import linear
+from kernels import cpu_linear
 from kernels.cpu_linear import MAX_ROWS, MIN_ROWS, SkinnyLinear, skinny_linear_for, skinny_linear_kernel
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
@@ -57,12 +58,21 @@ def test_applies_only_to_float32_cpu_batches_in_range() -> None:
     assert skinny_linear_for(torch.randn(16, 8, requires_grad=True), weight) is None
 
 
-def test_linear_layer_routes_decode_batches_through_it(kernel: SkinnyLinear) -> None:
+def test_linear_layer_routes_decode_batches_through_it(kernel: SkinnyLinear, monkeypatch) -> None:
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return kernel(x, weight, bias)
+
+    monkeypatch.setattr(cpu_linear, "skinny_linear_kernel", lambda: counted)
     x = torch.randn(16, 32)
     weight, bias = torch.randn(48, 32), torch.randn(48)
     torch.testing.assert_close(
         linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4
     )  # float32 sums of up to 576 terms, in another order
+    linear(torch.randn(MAX_ROWS + 1, 32), weight, bias)  # past the kernel's range: torch's matmul
+    assert calls == [16]
 
 
 @pytest.mark.parametrize(

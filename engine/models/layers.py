@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kernels.cpu_layer_ops import is_dense_activation, layer_ops_for
+from kernels.cpu_layer_ops import heads_in_feature_order, is_dense_activation, layer_ops_for
 from kernels.cpu_linear import skinny_linear_for
 
 # On CPU, batches of up to this many rows compute x @ W^T as (W @ x^T)^T: the same product, which MKL blocks
@@ -21,9 +21,14 @@ from kernels.cpu_linear import skinny_linear_for
 TRANSPOSED_GEMM_MAX_ROWS = 256
 
 
+def _feature_major_on_cpu(x: torch.Tensor) -> bool:
+    """Whether linear() computes x [T, in] transposed, returning a feature-major view (see above)."""
+    return x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= TRANSPOSED_GEMM_MAX_ROWS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for x [T, in], in whichever orientation is faster on x's device (see above)."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > TRANSPOSED_GEMM_MAX_ROWS:
+    if not _feature_major_on_cpu(x):
         return F.linear(x, weight, bias)
     skinny = skinny_linear_for(x, weight)
     if skinny is not None:
@@ -35,7 +40,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def in_linear_output_layout(x: torch.Tensor) -> torch.Tensor:
     """x [T, F] laid out the way linear() returns its outputs, so that the residual stream and the layer
     outputs added to it share one layout (the fused CPU ops then read both in one pass)."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > TRANSPOSED_GEMM_MAX_ROWS:
+    if not _feature_major_on_cpu(x):
         return x
     return x.t().contiguous().t()
 
@@ -113,7 +118,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, H, D], key [T, KVH, D] rotated by their positions' angles; on the CPU in place."""
         ops = layer_ops_for(query)
-        if ops is not None and _heads_in_feature_order(query) and _heads_in_feature_order(key):
+        if ops is not None and heads_in_feature_order(query) and heads_in_feature_order(key):
             halves = angles.token_major_halves if query.stride(-1) == 1 else angles.feature_major_halves
             ops.rotary(query, *halves)
             ops.rotary(key, *halves)
@@ -121,12 +126,6 @@ class RotaryEmbedding(nn.Module):
         cos = angles.cos.unsqueeze(1).to(query.dtype)
         sin = angles.sin.unsqueeze(1).to(query.dtype)
         return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
-
-
-def _heads_in_feature_order(x: torch.Tensor) -> bool:
-    """x [T, H, D] is a view of a token-major or feature-major [T, H * D] activation."""
-    token_stride, head_stride, feature_stride = x.stride()
-    return head_stride == x.shape[2] * feature_stride and 1 in (token_stride, feature_stride)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
