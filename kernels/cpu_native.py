@@ -44,6 +44,8 @@ CFLAGS = (
     "-std=c11",
 )
 DecodeAttention = Callable[..., None]
+# The kernel reads keys, values and queries in whole vectors of this many floats: head_dim must be a multiple.
+VECTOR_LANES = 8
 
 
 def native_kernels_enabled() -> bool:
@@ -143,6 +145,8 @@ def _check(
         raise ValueError("block_tables: expected int32 with contiguous rows")
     if out.shape != query.shape or k_cache.shape != v_cache.shape or query.shape[2] != k_cache.shape[3]:
         raise ValueError(f"shapes disagree: out {out.shape}, query {query.shape}, caches {k_cache.shape}")
+    if query.shape[2] % VECTOR_LANES != 0:
+        raise ValueError(f"head_dim {query.shape[2]} is not a multiple of {VECTOR_LANES}")
     if query.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"{query.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import AttentionBackend
-from kernels.cpu_native import DecodeAttention, decode_attention_kernel
+from kernels.cpu_native import VECTOR_LANES, DecodeAttention, decode_attention_kernel
 from kernels.metadata import AttentionMetadata
 
 DECODE_GROUP_SIZE = 16  # decode sequences per batched call: bounds padding to the group's longest
@@ -130,6 +130,7 @@ class TorchBackend(AttentionBackend):
         return (
             self.native_decode is not None
             and caches_fit
+            and query.shape[-1] % VECTOR_LANES == 0
             and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (query, k_cache, v_cache))
         )
 

@@ -79,6 +79,22 @@ def test_decode_refuses_tensors_it_would_misread(kernel) -> None:
         kernel(*args, ids[0].int(), ids[1], case.scale)
 
 
+def test_head_dims_the_kernel_cannot_vectorise_take_the_torch_path(kernel) -> None:
+    case = make_paged_case([20, 7], [1, 1], num_heads=4, num_kv_heads=2, head_dim=36)
+    write_kv_reference(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    with pytest.raises(ValueError, match="head_dim 36"):
+        _decode_all(kernel, case, [0, 1], [0, 1])
+    backend = TorchBackend(native=True)
+    metadata = backend.prepare(
+        AttentionMetadata.from_tensors(case.block_tables, case.seq_lens, case.query_start_loc, case.k_cache.shape[1])
+    )
+    out = backend.paged_attention(case.query, case.k_cache, case.v_cache, metadata, case.scale)
+    expected = paged_attention_reference(
+        case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc, case.scale
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("seq_lens,query_lens", MIXED_BATCHES)
 def test_backend_with_and_without_native_decode_agree(kernel, seq_lens, query_lens) -> None:
     case = make_paged_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3)

@@ -8,7 +8,8 @@
  *
  * Cache layout (the kernel contract): [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
  * One sequence is one unit of work; its query heads are handled together so that every key and value row
- * serves all the heads that share it (GQA) while it is in cache.
+ * serves all the heads that share it (GQA) while it is in cache. Keys are scored eight at a time and values
+ * accumulate into registers, in whole vectors: head_dim must be a multiple of 8 (the caller checks).
  *
  * Built at first use with the system C compiler (kernels/cpu_native.py), for the host CPU.
  */
@@ -18,44 +19,45 @@
 
 #include "vector_math.h"
 
-/* Rows a, b, c, d of keys (stride apart) against one query: four independent sums keep the FMA units busy. */
-static inline void dot4(float *restrict out, const float *restrict query, const float *restrict key, int64_t stride,
-                        int n, float scale) {
-    const float *k0 = key, *k1 = key + stride, *k2 = key + 2 * stride, *k3 = key + 3 * stride;
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-    for (int i = 0; i < n; ++i) {
-        s0 += query[i] * k0[i];
-        s1 += query[i] * k1[i];
-        s2 += query[i] * k2[i];
-        s3 += query[i] * k3[i];
+/*
+ * row[t] = scale * q . key_t for t < n, keys `stride` floats apart. Eight keys at a time: each keeps a vector
+ * of partial sums over head_dim, and one transpose-and-add turns the eight into eight scores.
+ */
+static void block_scores(float *restrict row, const float *restrict q, const float *restrict keys, int64_t stride,
+                         int n, int head_dim, float scale) {
+    int t = 0;
+    for (; t + LANES <= n; t += LANES) {
+        const float *k = keys + t * stride;
+        vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0}, s5 = {0}, s6 = {0}, s7 = {0};
+        for (int d = 0; d < head_dim; d += LANES) {
+            const vec qd = load(q + d);
+            s0 += qd * load(k + d), s1 += qd * load(k + stride + d);
+            s2 += qd * load(k + 2 * stride + d), s3 += qd * load(k + 3 * stride + d);
+            s4 += qd * load(k + 4 * stride + d), s5 += qd * load(k + 5 * stride + d);
+            s6 += qd * load(k + 6 * stride + d), s7 += qd * load(k + 7 * stride + d);
+        }
+        store(row + t, splat(scale) * transposed_sums(s0, s1, s2, s3, s4, s5, s6, s7));
     }
-    out[0] = scale * s0, out[1] = scale * s1, out[2] = scale * s2, out[3] = scale * s3;
+    for (; t < n; ++t) {
+        vec s = {0};
+        for (int d = 0; d < head_dim; d += LANES) s += load(q + d) * load(keys + t * stride + d);
+        row[t] = scale * horizontal_sum(s);
+    }
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int n) {
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int i = 0; i < n; ++i) sum += a[i] * b[i];
-    return sum;
-}
-
-/* acc += sum of weight[j] * row j (rows stride apart), four rows per pass over acc. */
-static inline void add_weighted_rows(float *restrict acc, const float *restrict weight, const float *restrict row,
-                                     int64_t stride, int rows, int n) {
-    int j = 0;
-    for (; j + 4 <= rows; j += 4) {
-        const float *r0 = row + j * stride, *r1 = r0 + stride, *r2 = r1 + stride, *r3 = r2 + stride;
-        const float w0 = weight[j], w1 = weight[j + 1], w2 = weight[j + 2], w3 = weight[j + 3];
-#pragma omp simd
-        for (int i = 0; i < n; ++i) acc[i] += w0 * r0[i] + w1 * r1[i] + w2 * r2[i] + w3 * r3[i];
-    }
-    for (; j < rows; ++j) {
-        const float *r = row + j * stride;
-        const float w = weight[j];
-#pragma omp simd
-        for (int i = 0; i < n; ++i) acc[i] += w * r[i];
-    }
+/*
+ * Asks for part `part` of `parts` of a block (NULL: none) to be brought into L2. Called for the next block,
+ * one part per query head, while the current block is computed: blocks sit at random places in the cache,
+ * where the hardware prefetcher cannot follow them, and spreading the requests keeps them from queueing up
+ * at once (measured: ~1.3x on a decode step's attention at batch 64, 256 tokens).
+ */
+static inline void prefetch_part(const float *block, int64_t floats, int part, int parts) {
+    if (block == NULL) return;
+    enum { LINE = 64 };
+    const char *bytes = (const char *)block;
+    const int64_t size = floats * (int64_t)sizeof(float), share = (size / parts + LINE - 1) / LINE * LINE;
+    const int64_t end = (part + 1) * share < size ? (part + 1) * share : size;
+    for (int64_t offset = part * share; offset < end; offset += LINE) __builtin_prefetch(bytes + offset, 0, 2);
 }
 
 /* scores[h * len + t] = scale * q_h . k_t for every query head h and token t < len. */
@@ -64,15 +66,16 @@ static void attention_scores(float *scores, const float *query, const float *k_c
                              float scale) {
     const int group = num_heads / num_kv_heads;
     const int64_t stride = (int64_t)num_kv_heads * head_dim;  // from one token's row to the next in a block
+    const int64_t block_floats = block_size * stride;
     for (int first = 0; first < len; first += block_size) {
-        const float *block = k_cache + (int64_t)table[first / block_size] * block_size * stride;
+        const float *block = k_cache + (int64_t)table[first / block_size] * block_floats;
         const int n = len - first < block_size ? len - first : block_size;
+        const float *next =
+            first + block_size < len ? k_cache + (int64_t)table[first / block_size + 1] * block_floats : NULL;
         for (int h = 0; h < num_heads; ++h) {
-            const float *q = query + (int64_t)h * head_dim, *keys = block + (h / group) * head_dim;
-            float *row = scores + (int64_t)h * len + first;
-            int t = 0;
-            for (; t + 4 <= n; t += 4) dot4(row + t, q, keys + t * stride, stride, head_dim, scale);
-            for (; t < n; ++t) row[t] = scale * dot(q, keys + t * stride, head_dim);
+            prefetch_part(next, block_floats, h, num_heads);
+            block_scores(scores + (int64_t)h * len + first, query + (int64_t)h * head_dim,
+                         block + (h / group) * head_dim, stride, n, head_dim, scale);
         }
     }
 }
@@ -95,18 +98,50 @@ static void softmax_rows(float *scores, int num_heads, int len) {
     }
 }
 
+/*
+ * acc += sum_t weight[t] * value_t for t < n, values `stride` floats apart. Eight vectors of acc (64 floats)
+ * stay in registers over all n values; head_dim % 64 goes one vector at a time.
+ */
+static void block_values(float *restrict acc, const float *restrict weight, const float *restrict values,
+                         int64_t stride, int n, int head_dim) {
+    int d = 0;
+    for (; d + 8 * LANES <= head_dim; d += 8 * LANES) {
+        float *a = acc + d;
+        vec a0 = load(a), a1 = load(a + LANES), a2 = load(a + 2 * LANES), a3 = load(a + 3 * LANES);
+        vec a4 = load(a + 4 * LANES), a5 = load(a + 5 * LANES), a6 = load(a + 6 * LANES), a7 = load(a + 7 * LANES);
+        for (int t = 0; t < n; ++t) {
+            const float *v = values + t * stride + d;
+            const vec w = splat(weight[t]);
+            a0 += w * load(v), a1 += w * load(v + LANES), a2 += w * load(v + 2 * LANES);
+            a3 += w * load(v + 3 * LANES), a4 += w * load(v + 4 * LANES), a5 += w * load(v + 5 * LANES);
+            a6 += w * load(v + 6 * LANES), a7 += w * load(v + 7 * LANES);
+        }
+        store(a, a0), store(a + LANES, a1), store(a + 2 * LANES, a2), store(a + 3 * LANES, a3);
+        store(a + 4 * LANES, a4), store(a + 5 * LANES, a5), store(a + 6 * LANES, a6), store(a + 7 * LANES, a7);
+    }
+    for (; d < head_dim; d += LANES) {
+        vec a = load(acc + d);
+        for (int t = 0; t < n; ++t) a += splat(weight[t]) * load(values + t * stride + d);
+        store(acc + d, a);
+    }
+}
+
 /* out[h] = sum_t weights[h][t] * v_t, for every query head h. */
 static void weighted_values(float *out, const float *weights, const float *v_cache, const int32_t *table, int len,
                             int num_heads, int num_kv_heads, int head_dim, int block_size) {
     const int group = num_heads / num_kv_heads;
-    const int64_t stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t stride = (int64_t)num_kv_heads * head_dim, block_floats = block_size * stride;
     for (int64_t i = 0; i < (int64_t)num_heads * head_dim; ++i) out[i] = 0.0f;
     for (int first = 0; first < len; first += block_size) {
-        const float *block = v_cache + (int64_t)table[first / block_size] * block_size * stride;
+        const float *block = v_cache + (int64_t)table[first / block_size] * block_floats;
         const int n = len - first < block_size ? len - first : block_size;
-        for (int h = 0; h < num_heads; ++h)
-            add_weighted_rows(out + (int64_t)h * head_dim, weights + (int64_t)h * len + first,
-                              block + (h / group) * head_dim, stride, n, head_dim);
+        const float *next =
+            first + block_size < len ? v_cache + (int64_t)table[first / block_size + 1] * block_floats : NULL;
+        for (int h = 0; h < num_heads; ++h) {
+            prefetch_part(next, block_floats, h, num_heads);
+            block_values(out + (int64_t)h * head_dim, weights + (int64_t)h * len + first,
+                         block + (h / group) * head_dim, stride, n, head_dim);
+        }
     }
 }
 

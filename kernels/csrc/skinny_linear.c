@@ -13,7 +13,7 @@
  *
  * Register tile: ROWS weight rows x one or two vectors of tokens. For each input feature k, the tile loads
  * its token vectors from xt and broadcasts one weight per row: 2 * ROWS fused multiply-adds per 2 + ROWS
- * loads. Token columns past the last whole vector go through a zero-padded copy. Written with GCC vector extensions, so it compiles to AVX2/AVX-512/NEON as the host has.
+ * loads. Token columns past the last whole vector go through a zero-padded copy.
  *
  * Built at first use with the system C compiler (kernels/cpu_native.py), for the host CPU.
  */
@@ -21,17 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 8
-/* A vector of floats that may sit at any float's address and alias plain floats. */
-typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float)), may_alias));
+#include "vector_math.h"
 
 enum { ROWS = 6, WIDE = 2 * LANES };
-
-static inline vec load(const float *p) { return *(const vec *)p; }
-
-static inline void store(float *p, vec v) { *(vec *)p = v; }
-
-static inline vec splat(float value) { return (vec){value, value, value, value, value, value, value, value}; }
 
 /*
  * out[r, 0:vecs * LANES] = sum_k w[r, k] * xt[k, 0:vecs * LANES] + bias[r], r < rows. Always inlined with

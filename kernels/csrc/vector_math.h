@@ -1,11 +1,51 @@
 /*
  * Vectorisable float32 math shared by the CPU kernels: plain arithmetic, no libm calls, so that the loops
- * calling it compile to SIMD code.
+ * calling it compile to SIMD code; and an 8-float vector type (GCC vector extensions), which compiles to
+ * AVX2, AVX-512 or NEON as the host has.
  */
 #ifndef PAGEDSERVE_VECTOR_MATH_H
 #define PAGEDSERVE_VECTOR_MATH_H
 
 #include <stdint.h>
+
+#define LANES 8
+/* A vector of floats that may sit at any float's address and alias plain floats. */
+typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float)), may_alias));
+
+static inline vec load(const float *p) { return *(const vec *)p; }
+
+static inline void store(float *p, vec v) { *(vec *)p = v; }
+
+static inline vec splat(float value) { return (vec){value, value, value, value, value, value, value, value}; }
+
+/* Lanes of a and b by index (b's are LANES..2 * LANES - 1), with the builtin each compiler has. */
+typedef int32_t lane_indices __attribute__((vector_size(LANES * sizeof(int32_t))));
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (lane_indices){__VA_ARGS__})
+#endif
+
+static inline float horizontal_sum(vec v) {
+    const vec pairs = v + SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    const vec quads = pairs + SHUFFLE(pairs, pairs, 2, 3, 0, 1, 2, 3, 0, 1);
+    return quads[0] + quads[1];
+}
+
+/* The lane sums of eight vectors, as one vector: lane j is the sum of v_j's lanes. */
+static inline vec transposed_sums(vec v0, vec v1, vec v2, vec v3, vec v4, vec v5, vec v6, vec v7) {
+#define PAIR_SUMS(a, b)                                                                                            \
+    (SHUFFLE(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(a, b, 1, 9, 3, 11, 5, 13, 7, 15))
+#define QUAD_SUMS(a, b)                                                                                            \
+    (SHUFFLE(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(a, b, 2, 3, 10, 11, 6, 7, 14, 15))
+    /* Each step halves the vectors and doubles the lanes each partial sum covers. */
+    const vec q0 = QUAD_SUMS(PAIR_SUMS(v0, v1), PAIR_SUMS(v2, v3));  /* v0..v3 over lanes 0-3, then 4-7 */
+    const vec q1 = QUAD_SUMS(PAIR_SUMS(v4, v5), PAIR_SUMS(v6, v7));
+#undef PAIR_SUMS
+#undef QUAD_SUMS
+    return SHUFFLE(q0, q1, 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE(q0, q1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
 
 /*
  * exp(-a) for a >= 0, in plain arithmetic so that loops calling it vectorise (libm's expf, floorf and
