@@ -4,7 +4,9 @@ import os
 
 # OpenMP workers that spin while they wait take the core from the thread doing the work whenever anything
 # else runs (the HTTP thread, a tokenizer, another process): decode-sized matmuls then slow down up to 10x.
-# Sleeping waiters cost nothing measurable on a quiet machine. OpenMP reads this once, when torch loads.
+# Sleeping has a price too, a wake-up per parallel region, which a host the engine has to itself can avoid
+# with a short spin (GOMP_SPINCOUNT; see benchmarks/omp_wait.py and the README). OpenMP reads these once,
+# when torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from engine.async_engine import AsyncEngine
