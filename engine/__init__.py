@@ -2,11 +2,12 @@
 
 import os
 
-# OpenMP workers that spin while they wait take the core from the thread doing the work whenever anything
-# else runs (the HTTP thread, a tokenizer, another process): decode-sized matmuls then slow down up to 10x.
-# Sleeping has a price too, a wake-up per parallel region, which a host the engine has to itself can avoid
-# with a short spin (GOMP_SPINCOUNT; see benchmarks/omp_wait.py and the README). OpenMP reads these once,
-# when torch loads.
+# torch's OpenMP workers (MKL matmuls at prefill, torch's own ops) would spin while they wait, taking the core
+# from the thread doing the work whenever anything else runs (the HTTP thread, a tokenizer, another process):
+# matmuls then slow down up to 10x. So they sleep; waking them costs a little on each parallel region, which
+# a host the engine has to itself can trade for a spin (GOMP_SPINCOUNT; see benchmarks/omp_wait.py and the
+# README). The native CPU kernels, which run most of a decode step, have their own pool that yields instead
+# (kernels/csrc/parallel.c). OpenMP reads these once, when torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from engine.async_engine import AsyncEngine

@@ -13,9 +13,7 @@ import functools
 
 import torch
 
-from kernels.cpu_native import SOURCE_DIR, native_library
-
-SOURCE = SOURCE_DIR / "layer_ops.c"
+from kernels.cpu_native import native_library
 
 
 class LayerOps:
@@ -97,7 +95,7 @@ class LayerOps:
 
 @functools.cache
 def layer_ops() -> LayerOps | None:
-    library = native_library(SOURCE)
+    library = native_library()
     return None if library is None else LayerOps(library)
 
 

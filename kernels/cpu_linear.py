@@ -13,9 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.cpu_native import SOURCE_DIR, native_library
+from kernels.cpu_native import native_library
 
-SOURCE = SOURCE_DIR / "skinny_linear.c"
 # Token counts the kernel takes. Measured over a step's projections of SmolLM2 (benchmarks/cpu_linear.py, 2
 # cores, two runs): 1.4-2.3x torch's matmul at 4-32 tokens, 0.95-1.4x at 1 and at 48-128.
 MIN_ROWS, MAX_ROWS = 1, 128
@@ -24,7 +23,7 @@ SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch
 
 @functools.cache
 def skinny_linear_kernel() -> SkinnyLinear | None:
-    library = native_library(SOURCE)
+    library = native_library()
     if library is None:
         return None
     function = library.skinny_linear_f32

@@ -2,10 +2,11 @@
 
 Decode attention on a CPU is bound by memory traffic, and torch has no paged-attention op: the torch path
 must gather a sequence's blocks into a contiguous copy before SDPA. `csrc/paged_decode_attention.c` reads
-the blocks in place instead. (`csrc/layer_ops.c`, the fused norm/activation/rotary ops, is bound in
-kernels/cpu_layer_ops.py.) Each source is built the way Triton builds its launchers: at first use, with `cc`,
-into a cache keyed by the source, the flags, the compiler and the CPU, so later starts load it in
-milliseconds. Without a compiler (or with PAGEDSERVE_NATIVE_KERNELS=0) the torch path runs, after one warning.
+the blocks in place instead. (The other kernels in csrc/ are bound in kernels/cpu_layer_ops.py and
+kernels/cpu_linear.py; all of them run their loops on the thread pool of csrc/parallel.c.) The sources are
+built into one library the way Triton builds its launchers: at first use, with `cc`, into a cache keyed by the
+sources, the flags, the compiler and the CPU, so later starts load it in milliseconds. Without a compiler (or
+with PAGEDSERVE_NATIVE_KERNELS=0) the torch path runs, after one warning.
 """
 
 from __future__ import annotations
@@ -27,18 +28,18 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCE = SOURCE_DIR / "paged_decode_attention.c"
 # -march=native: the library is built on, and only ever loaded by, the machine that runs it (the cache key
-# includes the CPU's flags). OpenMP resolves to the libgomp torch has already loaded, so the kernels and
-# torch share one thread pool. FMA contraction, no errno and no FP traps let the compiler use fused
-# multiply-adds, vectorised sqrt and compare-and-select; results differ from torch's by rounding only.
+# includes the CPU's flags). OpenMP only for its `simd` loop hints: threads come from csrc/parallel.c. FMA
+# contraction, no errno and no FP traps let the compiler use fused multiply-adds, vectorised sqrt and
+# compare-and-select; results differ from torch's by rounding only.
 CFLAGS = (
     "-O3",
     "-march=native",
     "-ffp-contract=fast",
     "-fno-math-errno",
     "-fno-trapping-math",
-    "-fopenmp",
+    "-fopenmp-simd",
+    "-pthread",
     "-fPIC",
     "-shared",
     "-std=c11",
@@ -53,21 +54,21 @@ def native_kernels_enabled() -> bool:
 
 
 @functools.cache
-def native_library(source: Path) -> ctypes.CDLL | None:
-    """The compiled `source` (built now unless cached), or None where it cannot be built or is switched off."""
+def native_library() -> ctypes.CDLL | None:
+    """The compiled kernels (built now unless cached), or None where they cannot be built or are switched off."""
     if not native_kernels_enabled():
         return None
     try:
-        return ctypes.CDLL(str(_build(source)))
+        return ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("native CPU kernels of %s unavailable, using the torch path: %s", source.name, exc)
+        logger.warning("native CPU kernels unavailable, using the torch path: %s", exc)
         return None
 
 
 @functools.cache
 def decode_attention_kernel() -> DecodeAttention | None:
     """`paged_decode_attention` bound to the compiled library, or None where it cannot be built."""
-    library = native_library(SOURCE)
+    library = native_library()
     if library is None:
         return None
     function = library.paged_decode_attention_f32
@@ -151,26 +152,26 @@ def _check(
         raise ValueError(f"{query.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
 
 
-def _build(source: Path) -> Path:
-    """The shared library for `source`, compiled unless this exact build is cached."""
+def _build() -> Path:
+    """The shared library of every source in SOURCE_DIR, compiled unless this exact build is cached."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found (install gcc, or set CC)")
-    code = b"\0".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.h"))])  # + headers
+    sources = sorted(SOURCE_DIR.glob("*.c"))
+    code = b"\0".join(path.name.encode() + b"\0" + path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.[ch]")))
     key = hashlib.sha256(b"\0".join([code, " ".join(CFLAGS).encode(), _compiler_version(compiler), _cpu_flags()]))
-    target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    target = _cache_dir() / f"pagedserve_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run(
-            [compiler, *CFLAGS, str(source), "-o", str(built), "-lm"], capture_output=True, text=True, check=False
-        )
+        command = [compiler, *CFLAGS, *map(str, sources), "-o", str(built), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {source.name}: {result.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{compiler} failed on {SOURCE_DIR}: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: a concurrent build of the same key just wins or loses the race
-    logger.info("compiled %s into %s", source.name, target)
+    logger.info("compiled the CPU kernels into %s", target)
     return target
 
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_layer_ops, cpu_native
+from kernels import cpu_layer_ops, cpu_linear, cpu_native
 from kernels.metadata import AttentionMetadata
 from kernels.torch_backend import TorchBackend
 from kernels.torch_reference import paged_attention_reference, write_kv_reference
@@ -122,14 +122,20 @@ def fresh_build(monkeypatch, tmp_path):
 
 
 def _forget_built_kernels() -> None:
-    for cached in (cpu_native.native_library, cpu_native.decode_attention_kernel, cpu_layer_ops.layer_ops):
+    cached_kernels = (
+        cpu_native.native_library,
+        cpu_native.decode_attention_kernel,
+        cpu_layer_ops.layer_ops,
+        cpu_linear.skinny_linear_kernel,
+    )
+    for cached in cached_kernels:
         cached.cache_clear()
 
 
 def test_build_is_cached_on_disk(fresh_build) -> None:
-    first = cpu_native._build(cpu_native.SOURCE)
+    first = cpu_native._build()
     built_at = first.stat().st_mtime_ns
-    assert first.parent == fresh_build and cpu_native._build(cpu_native.SOURCE) == first
+    assert first.parent == fresh_build and cpu_native._build() == first
     assert first.stat().st_mtime_ns == built_at
     assert [p.name for p in fresh_build.iterdir()] == [first.name]  # no scratch files left behind
 

@@ -14,9 +14,11 @@
  * Built at first use with the system C compiler (kernels/cpu_native.py), for the host CPU.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "parallel.h"
 #include "vector_math.h"
 
 /*
@@ -145,6 +147,44 @@ static void weighted_values(float *out, const float *weights, const float *v_cac
     }
 }
 
+typedef struct {
+    float *out;
+    const float *query, *k_cache, *v_cache;
+    const int32_t *block_tables, *seq_lens;
+    const int64_t *seq_ids, *query_rows;
+    int64_t block_table_stride;
+    int num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    _Atomic int failed;
+} attention_job;
+
+/* Decode tokens [begin, end) of the batch. */
+static void attend(void *context, int64_t begin, int64_t end) {
+    attention_job *job = context;
+    const int64_t row_floats = (int64_t)job->num_heads * job->head_dim;
+    for (int64_t i = begin; i < end; ++i) {
+        const int64_t seq = job->seq_ids[i];
+        const int len = job->seq_lens[seq];
+        const int32_t *table = job->block_tables + seq * job->block_table_stride;
+        float *out = job->out + job->query_rows[i] * row_floats;
+        if (len <= 0) {  // nothing to attend to (never so for a decode token): zeros, not NaN
+            for (int64_t j = 0; j < row_floats; ++j) out[j] = 0.0f;
+            continue;
+        }
+        float *scores = malloc(sizeof(float) * (size_t)job->num_heads * (size_t)len);
+        if (scores == NULL) {
+            atomic_store(&job->failed, 1);
+            continue;
+        }
+        attention_scores(scores, job->query + job->query_rows[i] * row_floats, job->k_cache, table, len,
+                         job->num_heads, job->num_kv_heads, job->head_dim, job->block_size, job->scale);
+        softmax_rows(scores, job->num_heads, len);
+        weighted_values(out, scores, job->v_cache, table, len, job->num_heads, job->num_kv_heads, job->head_dim,
+                        job->block_size);
+        free(scores);
+    }
+}
+
 /*
  * For each i < num_decodes: sequence seq_ids[i], whose query token is row query_rows[i] of query/out
  * ([rows, num_heads, head_dim], contiguous), over its seq_lens[seq] cached tokens. Returns 0, or -1 if
@@ -155,27 +195,21 @@ int paged_decode_attention_f32(float *out, const float *query, const float *k_ca
                                const int64_t *seq_ids, const int64_t *query_rows, int64_t num_decodes,
                                int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                                int num_threads) {
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
-    for (int64_t i = 0; i < num_decodes; ++i) {
-        const int64_t seq = seq_ids[i];
-        const int len = seq_lens[seq];
-        const int32_t *table = block_tables + seq * block_table_stride;
-        const int64_t row = query_rows[i] * num_heads * head_dim;
-        if (len <= 0) {  // nothing to attend to (never so for a decode token): zeros, not NaN
-            for (int64_t j = 0; j < (int64_t)num_heads * head_dim; ++j) out[row + j] = 0.0f;
-            continue;
-        }
-        float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)len);
-        if (scores == NULL) {
-            failed = 1;
-            continue;
-        }
-        attention_scores(scores, query + row, k_cache, table, len, num_heads, num_kv_heads, head_dim, block_size,
-                         scale);
-        softmax_rows(scores, num_heads, len);
-        weighted_values(out + row, scores, v_cache, table, len, num_heads, num_kv_heads, head_dim, block_size);
-        free(scores);
-    }
-    return failed ? -1 : 0;
+    attention_job job = {.out = out,
+                         .query = query,
+                         .k_cache = k_cache,
+                         .v_cache = v_cache,
+                         .block_tables = block_tables,
+                         .seq_lens = seq_lens,
+                         .seq_ids = seq_ids,
+                         .query_rows = query_rows,
+                         .block_table_stride = block_table_stride,
+                         .num_heads = num_heads,
+                         .num_kv_heads = num_kv_heads,
+                         .head_dim = head_dim,
+                         .block_size = block_size,
+                         .scale = scale};
+    /* One sequence a chunk, longest first (the caller's order): the threads run out of work together. */
+    parallel_for(num_decodes, 1, num_threads, attend, &job);
+    return atomic_load(&job.failed) ? -1 : 0;
 }

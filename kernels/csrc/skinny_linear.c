@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "parallel.h"
 #include "vector_math.h"
 
 enum { ROWS = 6, WIDE = 2 * LANES };
@@ -83,6 +84,27 @@ static void row_block(float *out, int64_t ldo, const float *xt, int64_t ldx, con
     for (int r = 0; r < rows; ++r) memcpy(out + r * ldo + m, tail_out + r * LANES, sizeof(float) * (M - m));
 }
 
+typedef struct {
+    float *out;
+    int64_t ldo;
+    const float *xt;
+    int64_t ldx;
+    const float *w, *bias;
+    int64_t M, N, K;
+    const float *tail_x;
+} linear_job;
+
+/* Row blocks [begin, end) of the output. */
+static void row_blocks(void *context, int64_t begin, int64_t end) {
+    const linear_job *job = context;
+    for (int64_t block = begin; block < end; ++block) {
+        const int64_t n = block * ROWS;
+        const int rows = job->N - n < ROWS ? (int)(job->N - n) : ROWS;
+        row_block(job->out + n * job->ldo, job->ldo, job->xt, job->ldx, job->w + n * job->K, job->K,
+                  job->bias ? job->bias + n : NULL, job->M, rows, job->tail_x);
+    }
+}
+
 /*
  * out[n, m] = sum_k w[n, k] * xt[k, m] + bias[n] (bias may be NULL), for n < N, m < M. Returns 0, or -1 if
  * scratch memory ran out (out is then not written).
@@ -97,13 +119,10 @@ int skinny_linear_f32(float *out, int64_t ldo, const float *xt, int64_t ldx, con
         if (tail_x == NULL) return -1;
         for (int64_t k = 0; k < K; ++k) memcpy(tail_x + k * LANES, xt + k * ldx + first_tail, sizeof(float) * tail);
     }
-    const int64_t blocks = (N + ROWS - 1) / ROWS;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t block = 0; block < blocks; ++block) {
-        const int64_t n = block * ROWS;
-        const int rows = N - n < ROWS ? (int)(N - n) : ROWS;
-        row_block(out + n * ldo, ldo, xt, ldx, w + n * K, K, bias ? bias + n : NULL, M, rows, tail_x);
-    }
+    linear_job job = {out, ldo, xt, ldx, w, bias, M, N, K, tail_x};
+    /* Chunks of 4 row blocks (24 weight rows): microseconds of work each, so taking one costs little and
+     * the threads still finish together. */
+    parallel_for((N + ROWS - 1) / ROWS, 4, num_threads, row_blocks, &job);
     free(tail_x);
     return 0;
 }

@@ -1,0 +1,26 @@
+/*
+ * The thread pool every CPU kernel here runs its loops on (parallel.c).
+ *
+ * Why not OpenMP: a decode step calls these kernels a few hundred times, a fraction of a millisecond each,
+ * with Python in between. OpenMP's workers either sleep as soon as a loop ends, and waking them costs tens of
+ * microseconds to milliseconds on a virtual machine, or spin, and then take the core from the thread doing
+ * the work whenever another process wants it. This pool's workers spin for a few milliseconds after each
+ * loop but yield the core to anything else runnable while they do, then sleep; and work is handed out in
+ * chunks, first come first served, so a worker that starts late only does less of it.
+ */
+#ifndef PAGEDSERVE_PARALLEL_H
+#define PAGEDSERVE_PARALLEL_H
+
+#include <stdint.h>
+
+/* Runs items [begin, end) of a loop. */
+typedef void parallel_body(void *context, int64_t begin, int64_t end);
+
+/*
+ * body(context, begin, end) over [0, items) in chunks of `grain` items, on the calling thread and up to
+ * `threads` - 1 pool workers; returns when every chunk has run. Chunks run in any order, each exactly
+ * once. Safe to call from several threads at once (a second caller runs its loop alone).
+ */
+void parallel_for(int64_t items, int64_t grain, int threads, parallel_body *body, void *context);
+
+#endif

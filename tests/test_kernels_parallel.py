@@ -1,0 +1,104 @@
+"""The native kernels' thread pool (kernels/csrc/parallel.c): every item once, concurrent callers, fork."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import queue as queue_module
+import shutil
+import threading
+
+import pytest
+import torch
+
+from kernels.cpu_linear import skinny_linear_kernel
+from kernels.cpu_native import native_library
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+
+Body = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+
+
+def _parallel_for(items: int, grain: int, threads: int) -> list[tuple[int, int]]:
+    """The [begin, end) ranges parallel_for hands out, recorded by a Python body."""
+    library = native_library()
+    assert library is not None
+    ranges: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def record(_context: int | None, begin: int, end: int) -> None:
+        with lock:
+            ranges.append((begin, end))
+
+    body = Body(record)  # kept alive until the call returns
+    library.parallel_for.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, Body, ctypes.c_void_p]
+    library.parallel_for(items, grain, threads, body, None)
+    return ranges
+
+
+@pytest.mark.parametrize("items", [0, 1, 7, 100, 1000])
+@pytest.mark.parametrize("grain", [1, 3, 64])
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_every_item_runs_exactly_once(items: int, grain: int, threads: int) -> None:
+    ranges = _parallel_for(items, grain, threads)
+    covered = sorted(i for begin, end in ranges for i in range(begin, end))
+    assert covered == list(range(items))
+    assert all(end - begin <= max(grain, 1) for begin, end in ranges) or len(ranges) == 1  # one inline run
+
+
+def _linear_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(576, 48, generator=generator).t()
+    weight = torch.randn(960, 576, generator=generator)
+    return x, weight, torch.nn.functional.linear(x, weight)
+
+
+def test_callers_on_several_threads_get_their_own_results() -> None:
+    """Kernels release the GIL: two engines (or a server and a test) may call them at once."""
+    kernel = skinny_linear_kernel()
+    assert kernel is not None
+    failures: list[str] = []
+
+    def run(seed: int) -> None:
+        x, weight, expected = _linear_case(seed)
+        for _ in range(30):
+            if not torch.allclose(kernel(x, weight, None), expected, rtol=1e-5, atol=1e-4):
+                failures.append(f"caller {seed}")
+
+    callers = [threading.Thread(target=run, args=(seed,)) for seed in range(4)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(timeout=120)
+    assert not any(caller.is_alive() for caller in callers), "a caller hung"
+    assert failures == []
+
+
+def _linear_in_child(x: torch.Tensor, weight: torch.Tensor, queue: multiprocessing.Queue) -> None:
+    """Only the kernel runs here: torch's own OpenMP is not fork-safe, so the parent checks the result."""
+    kernel = skinny_linear_kernel()
+    assert kernel is not None
+    out = kernel(x, weight, None)  # feature-major: out.t() is the contiguous buffer
+    queue.put(out.t().numpy().tobytes())
+
+
+def test_a_forked_child_starts_its_own_workers() -> None:
+    """A child has the parent's pool state but not its threads: kernels there must not wait for them."""
+    kernel = skinny_linear_kernel()
+    assert kernel is not None
+    x, weight, expected = _linear_case(0)
+    kernel(x, weight, None)  # the parent's workers exist now
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_linear_in_child, args=(x, weight, queue))
+    child.start()
+    try:
+        data = queue.get(timeout=120)  # before join(): the child exits only once its result is read
+    except queue_module.Empty:
+        pytest.fail("the forked child hung in a kernel")
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    result = torch.frombuffer(bytearray(data), dtype=torch.float32).view(weight.shape[0], -1).t()
+    torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-4)
