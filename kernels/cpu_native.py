@@ -45,6 +45,7 @@ CFLAGS = (
     "-std=c11",
 )
 DecodeAttention = Callable[..., None]
+WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], bool]
 # The kernel reads keys, values and queries in whole vectors of this many floats: head_dim must be a multiple.
 VECTOR_LANES = 8
 
@@ -76,6 +77,58 @@ def decode_attention_kernel() -> DecodeAttention | None:
     function.argtypes = [pointer] * 5 + [i64] + [pointer] * 3 + [i64] + [i32] * 4 + [ctypes.c_float, i32]
     function.restype = i32
     return functools.partial(_paged_decode_attention, function)
+
+
+@functools.cache
+def write_kv_kernel() -> WriteKV | None:
+    """`write_kv` bound to the compiled library, or None where it cannot be built."""
+    library = native_library()
+    if library is None:
+        return None
+    function = library.write_kv_f32
+    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
+    function.restype = ctypes.c_int
+    return functools.partial(_write_kv, function)
+
+
+def _write_kv(
+    function: Callable[..., int],
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> bool:
+    """Writes key/value [T, KVH, D] into the caches' rows `slots` [T] (int64, < 0 skipped); False, having
+    written nothing, where the kernel does not take these tensors (the caller then uses torch)."""
+    tensors = (key, value, k_cache, v_cache)
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or slots.dtype != torch.int64:
+        return False
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous()):
+        return False
+    tokens, heads, head_dim = key.shape
+    strides = key.stride()
+    if value.shape != key.shape or value.stride() != strides or k_cache.shape[-2:] != (heads, head_dim):
+        return False
+    token_stride, head_stride, feature_stride = strides
+    if head_stride != head_dim * feature_stride or 1 not in (token_stride, feature_stride) or slots.numel() != tokens:
+        return False  # each token's heads are not one run of features in either layout
+    num_slots = k_cache.numel() // (heads * head_dim)
+    status = function(
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        key.data_ptr(),
+        value.data_ptr(),
+        slots.data_ptr(),
+        tokens,
+        heads * head_dim,
+        token_stride,
+        feature_stride,
+        num_slots,
+    )
+    if status != 0:
+        raise IndexError(f"write_kv: a slot is past the cache's {num_slots} slots")
+    return True
 
 
 def _paged_decode_attention(

@@ -1,10 +1,12 @@
-"""CPU backend: the kernel contract in vectorised torch, with a native kernel for float32 decode.
+"""CPU backend: the kernel contract in vectorised torch, with native kernels for float32.
 
 Decode sequences (one new token each) go to the native kernel (kernels/cpu_native.py), which reads their
-blocks in place. Where it cannot run (no C compiler, another dtype) they are sorted by length and attended
-in groups of similar length, one gather and one batched SDPA call per group, so little work goes to padding.
-Sequences with several new tokens (prefill chunks) are attended one at a time with SDPA, which is a loop over
-sequences, never over tokens. The plan is made once per step and shared by all layers.
+blocks in place; new keys and values go into the cache through another (torch's index_copy_ is slow on the
+strided views the projections leave them in). Where the decode kernel cannot run (no C compiler, another
+dtype) decode sequences are sorted by length and attended in groups of similar length, one gather and one
+batched SDPA call per group, so little work goes to padding. Sequences with several new tokens (prefill
+chunks) are attended one at a time with SDPA, which is a loop over sequences, never over tokens. The plan is
+made once per step and shared by all layers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import AttentionBackend
-from kernels.cpu_native import VECTOR_LANES, DecodeAttention, decode_attention_kernel
+from kernels.cpu_native import VECTOR_LANES, DecodeAttention, WriteKV, decode_attention_kernel, write_kv_kernel
 from kernels.metadata import AttentionMetadata
 
 DECODE_GROUP_SIZE = 16  # decode sequences per batched call: bounds padding to the group's longest
@@ -71,6 +73,7 @@ class TorchBackend(AttentionBackend):
     def __init__(self, native: bool = True) -> None:
         """native=False keeps decode on the gather + SDPA path (the oracle the native kernel is tested against)."""
         self.native_decode: DecodeAttention | None = decode_attention_kernel() if native else None
+        self.native_write_kv: WriteKV | None = write_kv_kernel() if native else None
 
     def write_kv(
         self,
@@ -80,6 +83,8 @@ class TorchBackend(AttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
+        if self.native_write_kv is not None and self.native_write_kv(key, value, k_cache, v_cache, slot_mapping):
+            return
         slots = slot_mapping.long()
         valid = slots >= 0
         if not bool(valid.all()):

@@ -161,3 +161,53 @@ def test_native_kernels_can_be_switched_off(fresh_build, monkeypatch) -> None:
     assert cpu_native.decode_attention_kernel() is None
     assert cpu_layer_ops.layer_ops() is None
     assert list(fresh_build.iterdir()) == []
+
+
+def _qkv_views(tokens: int, kv_heads: int, head_dim: int, feature_major: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """key and value [T, KVH, D] as the model hands them over: views into one fused qkv projection output."""
+    width = 2 * kv_heads * head_dim + 64  # the query's features come first
+    qkv = torch.randn(width, tokens).t() if feature_major else torch.randn(tokens, width)
+    key = qkv[:, 64 : 64 + kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = qkv[:, 64 + kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    return key, value
+
+
+@pytest.mark.parametrize("feature_major", [False, True])
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_write_kv_kernel_matches_reference_in_both_layouts(feature_major, tokens) -> None:
+    write_kv = cpu_native.write_kv_kernel()
+    assert write_kv is not None
+    case = make_paged_case([tokens + 5], [tokens], num_kv_heads=3)
+    key, value = _qkv_views(tokens, 3, 64, feature_major)
+    slots = case.slot_mapping.clone()
+    slots[0] = -1  # padding: skipped
+    expected_k, expected_v = case.k_cache.clone(), case.v_cache.clone()
+    write_kv_reference(key, value, expected_k, expected_v, slots)
+    assert write_kv(key, value, case.k_cache, case.v_cache, slots)
+    assert torch.equal(case.k_cache, expected_k) and torch.equal(case.v_cache, expected_v)
+
+
+def test_write_kv_kernel_refuses_a_slot_past_the_cache_and_writes_nothing() -> None:
+    write_kv = cpu_native.write_kv_kernel()
+    assert write_kv is not None
+    case = make_paged_case([12], [4])
+    before = case.k_cache.clone()
+    slots = case.slot_mapping.clone()
+    slots[-1] = case.k_cache.shape[0] * case.k_cache.shape[1]
+    with pytest.raises(IndexError):
+        write_kv(case.key, case.value, case.k_cache, case.v_cache, slots)
+    assert torch.equal(case.k_cache, before)
+
+
+def test_write_kv_kernel_declines_what_it_cannot_read() -> None:
+    """Another dtype, or keys whose heads are not one run of features: False, and the torch path writes them."""
+    write_kv = cpu_native.write_kv_kernel()
+    assert write_kv is not None
+    case = make_paged_case([10], [3], num_kv_heads=2)
+    assert not write_kv(case.key.double(), case.value.double(), case.k_cache, case.v_cache, case.slot_mapping)
+    heads_swapped = case.key.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not write_kv(heads_swapped, heads_swapped, case.k_cache, case.v_cache, case.slot_mapping)
+    expected_k, expected_v = case.k_cache.clone(), case.v_cache.clone()
+    write_kv_reference(heads_swapped, heads_swapped, expected_k, expected_v, case.slot_mapping)
+    TorchBackend().write_kv(heads_swapped, heads_swapped, case.k_cache, case.v_cache, case.slot_mapping)
+    assert torch.equal(case.k_cache, expected_k) and torch.equal(case.v_cache, expected_v)
