@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import openmp_policy
 from engine.config import EngineConfig
 from engine.cuda_graphs import cuda_graph_capture, graph_batch_sizes
 from engine.detokenizer import IncrementalDetokenizer
@@ -54,6 +55,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = config or EngineConfig()
         self.loaded = loaded or load_model(self.config)
+        openmp_policy.warn_if_set_too_late(self.loaded.device.type)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         self.tokenizer = self.loaded.tokenizer
