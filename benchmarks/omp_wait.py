@@ -1,12 +1,14 @@
 """How OpenMP's wait policy moves offline throughput, on a quiet CPU and next to one busy process.
 
 pagedserve sets OMP_WAIT_POLICY=PASSIVE unless the user chose one (engine/__init__.py): an OpenMP worker
-sleeps as soon as a parallel region ends. A step runs hundreds of regions, and waking a sleeping thread is
-slow on a virtual machine, so a short spin (GOMP_SPINCOUNT, which libgomp honours whatever the policy) may
-pay on a machine the engine has to itself, and costs dearly when another process wants a core: the spinning
-worker then takes it from the thread doing the work. This script measures both sides in one run: the same
-offline workload (benchmarks/workloads.py chat prompts, greedy, ignore_eos) in a fresh process per setting,
-settings interleaved over rounds, each with the machine otherwise quiet and with one busy-looping process.
+sleeps as soon as a parallel region ends. The C kernels of a decode step run on their own pool
+(kernels/csrc/parallel.c) and do not care; torch's own ops do, above all MKL's prefill matmuls, each of
+which runs several regions. Waking a sleeping thread is slow on a virtual machine, so a short spin
+(GOMP_SPINCOUNT, which libgomp honours whatever the policy) may pay on a machine the engine has to itself,
+and costs dearly when another thread or process wants the core: the spinning worker then takes it from the
+thread doing the work. This script measures both sides in one run: the same offline workload
+(benchmarks/workloads.py chat prompts, greedy, ignore_eos) in a fresh process per setting, settings
+interleaved over rounds, each with the machine otherwise quiet and with one busy-looping process.
 
     python -m benchmarks.omp_wait [--rounds 2] [--num-requests 16] [--output-len 64]
 """
