@@ -10,7 +10,7 @@ import torch
 
 from kernels import cpu_layer_ops, cpu_linear, cpu_native
 from kernels.metadata import AttentionMetadata
-from kernels.torch_backend import TorchBackend
+from kernels.torch_backend import NATIVE_PREFILL_MAX_LEN, TorchBackend
 from kernels.torch_reference import paged_attention_reference, write_kv_reference
 from tests.kernel_cases import MIXED_BATCHES, make_paged_case
 
@@ -110,6 +110,27 @@ def test_backend_with_and_without_native_decode_agree(kernel, seq_lens, query_le
         outputs.append(backend.paged_attention(strided_query, case.k_cache, case.v_cache, plan, case.scale))
     assert TorchBackend(native=True).native_decode is not None
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_short_prefills_go_to_the_kernel_row_by_row_and_long_ones_to_sdpa(kernel) -> None:
+    """A long prefill chunk, a whole short prompt, a decode and a short chunk after a cached prefix, together."""
+    seq_lens, query_lens = [NATIVE_PREFILL_MAX_LEN + 20, 60, 30, 45], [40, 60, 1, 12]
+    case = make_paged_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3)
+    write_kv_reference(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    backend = TorchBackend(native=True)
+    metadata = backend.prepare(
+        AttentionMetadata.from_tensors(case.block_tables, case.seq_lens, case.query_start_loc, case.k_cache.shape[1])
+    )
+    plan = metadata.plan
+    assert [piece.seq for piece in plan.native_prefills] == [1, 3]
+    assert [piece.seq for piece in plan.sdpa_prefills] == [0]
+    lens = plan.native_rows.context_lens
+    assert lens.tolist() == sorted(lens.tolist(), reverse=True) and lens.numel() == 60 + 1 + 12
+    out = backend.paged_attention(case.query, case.k_cache, case.v_cache, metadata, case.scale)
+    expected = paged_attention_reference(
+        case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc, case.scale
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
  * Decode attention over the paged KV cache, float32, for the CPU backend.
  *
  * One new query token per sequence attends over all of its cached tokens, read in place from the blocks
- * its block table names. The torch path gathers those blocks into a contiguous copy before SDPA, which
+ * its block table names. A prefill token is such a query too, over the tokens up to its own: the caller
+ * gives each of its rows its own sequence length (kernels/torch_backend.py). The torch path gathers those blocks into a contiguous copy before SDPA, which
  * moves the whole context through memory three times; this kernel reads each key and value once. Decode
  * attention on a CPU is bound by memory bandwidth, so that is the whole gain.
  *
