@@ -24,8 +24,8 @@ from kernels.metadata import AttentionMetadata
 
 DECODE_GROUP_SIZE = 16  # decode sequences per batched call: bounds padding to the group's longest
 # Prefill chunks of sequences up to this long go to the native kernel row by row: it reads each row's keys
-# again, from cache, and beats SDPA's flash kernel (gather included) up to ~800 tokens on 2 cores (SmolLM2's
-# heads: 2.2x at 205 tokens, 1.4x at 400, 0.95x at 800).
+# again, from cache, and beats SDPA's flash kernel (gather included) below ~800 tokens on 2 cores
+# (`python -m benchmarks.cpu_prefill_attention`: 1.4-1.6x at 64-400 tokens, 0.9x at 800).
 NATIVE_PREFILL_MAX_LEN = 512
 
 
