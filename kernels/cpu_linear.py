@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.cpu_native import native_library
+from kernels.cpu_native import native_function
 
 # Token counts the kernel takes. Measured over a step's projections of SmolLM2 (benchmarks/cpu_linear.py, 2
 # cores, two runs): 1.4-2.3x torch's matmul at 4-32 tokens, 0.95-1.4x at 1 and at 48-128.
@@ -23,14 +23,10 @@ SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch
 
 @functools.cache
 def skinny_linear_kernel() -> SkinnyLinear | None:
-    library = native_library()
-    if library is None:
-        return None
-    function = library.skinny_linear_f32
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer, i64, pointer, i64, pointer, pointer, i64, i64, i64, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return functools.partial(_skinny_linear, function)
+    argtypes = [pointer, i64, pointer, i64, pointer, pointer, i64, i64, i64, ctypes.c_int]
+    function = native_function("skinny_linear_f32", argtypes)
+    return None if function is None else functools.partial(_skinny_linear, function)
 
 
 def skinny_linear_for(x: torch.Tensor, weight: torch.Tensor) -> SkinnyLinear | None:

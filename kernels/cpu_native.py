@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,29 +67,32 @@ def native_library() -> ctypes.CDLL | None:
         return None
 
 
-@functools.cache
-def decode_attention_kernel() -> DecodeAttention | None:
-    """`paged_decode_attention` bound to the compiled library, or None where it cannot be built."""
+def native_function(symbol: str, argtypes: list[Any]) -> Callable[..., int] | None:
+    """The library's C function `symbol` (returning int) with its argument types set, or None where the
+    library cannot be built."""
     library = native_library()
     if library is None:
         return None
-    function = library.paged_decode_attention_f32
+    function = getattr(library, symbol)
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
+
+
+@functools.cache
+def decode_attention_kernel() -> DecodeAttention | None:
+    """`paged_decode_attention` bound to the compiled library, or None where it cannot be built."""
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    function.argtypes = [pointer] * 5 + [i64] + [pointer] * 3 + [i64] + [i32] * 4 + [ctypes.c_float, i32]
-    function.restype = i32
-    return functools.partial(_paged_decode_attention, function)
+    argtypes = [pointer] * 5 + [i64] + [pointer] * 3 + [i64] + [i32] * 4 + [ctypes.c_float, i32]
+    function = native_function("paged_decode_attention_f32", argtypes)
+    return None if function is None else functools.partial(_paged_decode_attention, function)
 
 
 @functools.cache
 def write_kv_kernel() -> WriteKV | None:
     """`write_kv` bound to the compiled library, or None where it cannot be built."""
-    library = native_library()
-    if library is None:
-        return None
-    function = library.write_kv_f32
-    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
-    function.restype = ctypes.c_int
-    return functools.partial(_write_kv, function)
+    function = native_function("write_kv_f32", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5)
+    return None if function is None else functools.partial(_write_kv, function)
 
 
 def _write_kv(
@@ -138,17 +142,18 @@ def _paged_decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
     seq_ids: torch.Tensor,
     query_rows: torch.Tensor,
     scale: float,
 ) -> None:
-    """out[query_rows[i]] = attention of query[query_rows[i]] over sequence seq_ids[i]'s cached tokens.
+    """out[query_rows[i]] = attention of query[query_rows[i]] over the first context_lens[i] cached tokens of
+    sequence seq_ids[i]: all of them for a decode token, those up to its own for a prefill token.
 
     query/out [rows, H, D] and the caches float32 and contiguous; block_tables [seqs, max_blocks] and
-    seq_lens int32; seq_ids and query_rows int64.
+    context_lens int32; seq_ids and query_rows int64; context_lens, seq_ids and query_rows of one length.
     """
-    _check(out, query, k_cache, v_cache, block_tables, seq_lens, seq_ids, query_rows)
+    _check(out, query, k_cache, v_cache, block_tables, context_lens, seq_ids, query_rows)
     _, num_heads, head_dim = query.shape
     status = function(
         out.data_ptr(),
@@ -157,7 +162,7 @@ def _paged_decode_attention(
         v_cache.data_ptr(),
         block_tables.data_ptr(),
         block_tables.stride(0),
-        seq_lens.data_ptr(),
+        context_lens.data_ptr(),
         seq_ids.data_ptr(),
         query_rows.data_ptr(),
         seq_ids.numel(),
@@ -178,7 +183,7 @@ def _check(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
     seq_ids: torch.Tensor,
     query_rows: torch.Tensor,
 ) -> None:
@@ -188,13 +193,15 @@ def _check(
         "query": (query, torch.float32),
         "k_cache": (k_cache, torch.float32),
         "v_cache": (v_cache, torch.float32),
-        "seq_lens": (seq_lens, torch.int32),
+        "context_lens": (context_lens, torch.int32),
         "seq_ids": (seq_ids, torch.int64),
         "query_rows": (query_rows, torch.int64),
     }
     for name, (tensor, dtype) in expected.items():
         if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous CPU {dtype} tensor, got {tensor.dtype} {tensor.device}")
+    if not context_lens.numel() == seq_ids.numel() == query_rows.numel():
+        raise ValueError("context_lens, seq_ids and query_rows must have one entry per query row")
     if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         raise ValueError("block_tables: expected int32 with contiguous rows")
     if out.shape != query.shape or k_cache.shape != v_cache.shape or query.shape[2] != k_cache.shape[3]:

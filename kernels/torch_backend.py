@@ -44,16 +44,23 @@ class _PrefillSlice:
     query_end: int
     seq_len: int
     blocks: torch.Tensor  # block ids covering seq_len tokens
-    mask: torch.Tensor | None  # [q, seq_len] bool, None when the chunk is the whole sequence
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[q, seq_len] bool for SDPA, None when the chunk is the whole sequence (plain causal)."""
+        query_len = self.query_end - self.query_begin
+        if query_len == self.seq_len:
+            return None
+        query_pos = torch.arange(self.seq_len - query_len, self.seq_len).unsqueeze(1)
+        return (torch.arange(self.seq_len).unsqueeze(0) <= query_pos).to(self.blocks.device)
 
 
 @dataclass
 class _NativeRows:
-    """The native kernel's work: every query row as its own one-token sequence, longest context first."""
+    """The native kernel's work, one entry per query row, longest context first."""
 
-    block_tables: torch.Tensor  # [rows, max_blocks] int32: each row's sequence's table
     context_lens: torch.Tensor  # [rows] int32: the tokens each row attends to (its position + 1)
-    seq_ids: torch.Tensor  # [rows] int64: 0..rows-1, into the two above
+    seq_ids: torch.Tensor  # [rows] int64: each row's sequence, its row of the block tables
     query_rows: torch.Tensor  # [rows] int64: where each row is in the query and the output
 
 
@@ -75,24 +82,20 @@ class _TorchPlan:
     @cached_property
     def native_rows(self) -> _NativeRows:
         # Longest first, so the kernel's threads run out of work at about the same time.
-        metadata, device = self.metadata, self.metadata.block_tables.device
-        seqs = [*self.decode_seqs, *(piece.seq for piece in self.native_prefills)]
-        rows = [torch.tensor([self.starts[i] for i in self.decode_seqs], dtype=torch.int64)]
-        lens = [torch.tensor([metadata.seq_lens_host[i] for i in self.decode_seqs], dtype=torch.int32)]
-        counts = [1] * len(self.decode_seqs)
-        for piece in self.native_prefills:
+        decodes = self.decode_seqs
+        seq_ids = [torch.tensor(decodes, dtype=torch.int64)]
+        rows = [torch.tensor([self.starts[i] for i in decodes], dtype=torch.int64)]
+        lens = [torch.tensor([self.metadata.seq_lens_host[i] for i in decodes], dtype=torch.int32)]
+        for piece in self.native_prefills:  # a loop over sequences: each contributes all its rows at once
             query_len = piece.query_end - piece.query_begin
+            seq_ids.append(torch.full((query_len,), piece.seq, dtype=torch.int64))
             rows.append(torch.arange(piece.query_begin, piece.query_end))
             lens.append(torch.arange(piece.seq_len - query_len + 1, piece.seq_len + 1, dtype=torch.int32))
-            counts.append(query_len)
-        table_rows = torch.repeat_interleave(
-            torch.tensor(seqs, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64)
-        )
         context_lens, order = torch.cat(lens).sort(descending=True, stable=True)
+        device = self.metadata.block_tables.device
         return _NativeRows(
-            block_tables=metadata.block_tables[table_rows[order].to(device)],
             context_lens=context_lens.to(device),
-            seq_ids=torch.arange(len(order), device=device),
+            seq_ids=torch.cat(seq_ids)[order].to(device),
             query_rows=torch.cat(rows)[order].to(device),
         )
 
@@ -156,7 +159,7 @@ class TorchBackend(AttentionBackend):
                     query.contiguous(),
                     k_cache,
                     v_cache,
-                    work.block_tables,
+                    metadata.block_tables,
                     work.context_lens,
                     work.seq_ids,
                     work.query_rows,
@@ -207,13 +210,9 @@ def _decode_group(metadata: AttentionMetadata, seqs: list[int], starts: list[int
 
 
 def _prefill_slice(metadata: AttentionMetadata, seq: int, starts: list[int]) -> _PrefillSlice:
-    query_len, seq_len = metadata.query_lens_host[seq], metadata.seq_lens_host[seq]
+    seq_len = metadata.seq_lens_host[seq]
     blocks = metadata.block_tables[seq, : -(-seq_len // metadata.block_size)].long()
-    mask = None
-    if query_len != seq_len:
-        query_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
-        mask = (torch.arange(seq_len).unsqueeze(0) <= query_pos).to(blocks.device)
-    return _PrefillSlice(seq, starts[seq], starts[seq + 1], seq_len, blocks, mask)
+    return _PrefillSlice(seq, starts[seq], starts[seq + 1], seq_len, blocks)
 
 
 def _decode_attention(

@@ -26,14 +26,15 @@ def kernel() -> cpu_native.DecodeAttention:
 
 def _decode_all(kernel: cpu_native.DecodeAttention, case, seq_ids: list[int], rows: list[int]) -> torch.Tensor:
     out = torch.full_like(case.query, float("nan"))
+    ids = torch.tensor(seq_ids, dtype=torch.int64)
     kernel(
         out,
         case.query,
         case.k_cache,
         case.v_cache,
         case.block_tables,
-        case.seq_lens,
-        torch.tensor(seq_ids, dtype=torch.int64),
+        case.seq_lens[ids],  # decode: each query over its whole sequence
+        ids,
         torch.tensor(rows, dtype=torch.int64),
         case.scale,
     )

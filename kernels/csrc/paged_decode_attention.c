@@ -1,11 +1,11 @@
 /*
  * Decode attention over the paged KV cache, float32, for the CPU backend.
  *
- * One new query token per sequence attends over all of its cached tokens, read in place from the blocks
- * its block table names. A prefill token is such a query too, over the tokens up to its own: the caller
- * gives each of its rows its own sequence length (kernels/torch_backend.py). The torch path gathers those blocks into a contiguous copy before SDPA, which
- * moves the whole context through memory three times; this kernel reads each key and value once. Decode
- * attention on a CPU is bound by memory bandwidth, so that is the whole gain.
+ * One query token attends over the first `context_len` cached tokens of its sequence, read in place from
+ * the blocks its block table names: a decode token over all of them, a prefill token over those up to its
+ * own. The torch path gathers those blocks into a contiguous copy before SDPA, which moves the whole context
+ * through memory three times; this kernel reads each key and value once. Decode attention on a CPU is bound
+ * by memory bandwidth, so that is the whole gain.
  *
  * Cache layout (the kernel contract): [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
  * One sequence is one unit of work; its query heads are handled together so that every key and value row
@@ -151,7 +151,7 @@ static void weighted_values(float *out, const float *weights, const float *v_cac
 typedef struct {
     float *out;
     const float *query, *k_cache, *v_cache;
-    const int32_t *block_tables, *seq_lens;
+    const int32_t *block_tables, *context_lens;
     const int64_t *seq_ids, *query_rows;
     int64_t block_table_stride;
     int num_heads, num_kv_heads, head_dim, block_size;
@@ -159,16 +159,16 @@ typedef struct {
     _Atomic int failed;
 } attention_job;
 
-/* Decode tokens [begin, end) of the batch. */
+/* Query tokens [begin, end) of the work list. */
 static void attend(void *context, int64_t begin, int64_t end) {
     attention_job *job = context;
     const int64_t row_floats = (int64_t)job->num_heads * job->head_dim;
     for (int64_t i = begin; i < end; ++i) {
         const int64_t seq = job->seq_ids[i];
-        const int len = job->seq_lens[seq];
+        const int len = job->context_lens[i];
         const int32_t *table = job->block_tables + seq * job->block_table_stride;
         float *out = job->out + job->query_rows[i] * row_floats;
-        if (len <= 0) {  // nothing to attend to (never so for a decode token): zeros, not NaN
+        if (len <= 0) {  // nothing to attend to (never so for a real token): zeros, not NaN
             for (int64_t j = 0; j < row_floats; ++j) out[j] = 0.0f;
             continue;
         }
@@ -187,13 +187,13 @@ static void attend(void *context, int64_t begin, int64_t end) {
 }
 
 /*
- * For each i < num_decodes: sequence seq_ids[i], whose query token is row query_rows[i] of query/out
- * ([rows, num_heads, head_dim], contiguous), over its seq_lens[seq] cached tokens. Returns 0, or -1 if
+ * For each i < num_queries: row query_rows[i] of query/out ([rows, num_heads, head_dim], contiguous) over the
+ * first context_lens[i] cached tokens of sequence seq_ids[i] (its row of block_tables). Returns 0, or -1 if
  * scratch memory ran out (out is then partly written and must be discarded).
  */
 int paged_decode_attention_f32(float *out, const float *query, const float *k_cache, const float *v_cache,
-                               const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
-                               const int64_t *seq_ids, const int64_t *query_rows, int64_t num_decodes,
+                               const int32_t *block_tables, int64_t block_table_stride, const int32_t *context_lens,
+                               const int64_t *seq_ids, const int64_t *query_rows, int64_t num_queries,
                                int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                                int num_threads) {
     attention_job job = {.out = out,
@@ -201,7 +201,7 @@ int paged_decode_attention_f32(float *out, const float *query, const float *k_ca
                          .k_cache = k_cache,
                          .v_cache = v_cache,
                          .block_tables = block_tables,
-                         .seq_lens = seq_lens,
+                         .context_lens = context_lens,
                          .seq_ids = seq_ids,
                          .query_rows = query_rows,
                          .block_table_stride = block_table_stride,
@@ -210,7 +210,7 @@ int paged_decode_attention_f32(float *out, const float *query, const float *k_ca
                          .head_dim = head_dim,
                          .block_size = block_size,
                          .scale = scale};
-    /* One sequence a chunk, longest first (the caller's order): the threads run out of work together. */
-    parallel_for(num_decodes, 1, num_threads, attend, &job);
+    /* One query a chunk, longest first (the caller's order): the threads run out of work together. */
+    parallel_for(num_queries, 1, num_threads, attend, &job);
     return atomic_load(&job.failed) ? -1 : 0;
 }
