@@ -32,7 +32,7 @@ ARG TORCH_INDEX_URL_CUDA=
 ARG TORCH_SPEC=torch==2.13.0
 WORKDIR /src
 RUN python -m venv /opt/venv
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md __init__.py ./
 COPY engine ./engine
 COPY kernels ./kernels
 COPY server ./server
@@ -78,14 +78,14 @@ COPY configs ./configs
 # Convert the embedded GGUF now, so a container serves in seconds; the result is readable by the server's user,
 # not writable by it. The check fails the build if the GGUF's mtime (part of the cache key) would not survive
 # a push and pull (layers keep whole seconds).
-RUN HF_HUB_OFFLINE=1 python -m engine \
-    && python -c "from engine.loader import embedded_gguf_path as p; assert p().stat().st_mtime_ns % 10**9 == 0" \
+RUN HF_HUB_OFFLINE=1 python -m pagedserve.engine \
+    && python -c "from pagedserve.engine.loader import embedded_gguf_path as p; assert p().stat().st_mtime_ns % 10**9 == 0" \
     && chmod -R a+rX,go-w "$PAGEDSERVE_CACHE_DIR"
 ENV HF_HOME=/home/pagedserve/.cache/huggingface \
     PAGEDSERVE_VARIANT=${VARIANT}
 USER 10001:10001
 EXPOSE 8000
-# Liveness: /health is 200 while the engine thread is alive (loading included); /ready is for readiness.
+# Liveness: /health is 200 while the engine core is alive (loading included); /ready is for readiness.
 # Set PAGEDSERVE_PORT (read only here) when CMD serves on another port.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('PAGEDSERVE_PORT', '8000'), timeout=4)"]

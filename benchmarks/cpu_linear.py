@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a file: import the `kernels` package, no
 import torch
 
 from benchmarks.kernels import cpu_median_ms
-from kernels.cpu_linear import MAX_ROWS, MIN_ROWS, skinny_linear_kernel
+from pagedserve.kernels.cpu_linear import MAX_ROWS, MIN_ROWS, skinny_linear_kernel
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of each projection
 LM_HEAD = (49152, 576)

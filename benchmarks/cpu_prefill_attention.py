@@ -21,8 +21,8 @@ import torch
 
 from benchmarks.cpu_decode_attention import NUM_LAYERS, SCALE, SMOLLM2
 from benchmarks.kernels import cpu_median_ms
-from kernels.metadata import AttentionMetadata
-from kernels.torch_backend import NATIVE_PREFILL_MAX_LEN, TorchBackend
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.torch_backend import NATIVE_PREFILL_MAX_LEN, TorchBackend
 
 PROMPT_LENS = (64, 205, 400, 800)
 REPEATS = 5

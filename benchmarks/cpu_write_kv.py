@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a file: import the `kernels` package, no
 import torch
 
 from benchmarks.kernels import cpu_median_ms
-from kernels.torch_backend import TorchBackend
+from pagedserve.kernels.torch_backend import TorchBackend
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE = 30, 2048, 16
 Q_SIZE, NUM_KV_HEADS, HEAD_DIM = 576, 3, 64

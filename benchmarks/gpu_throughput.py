@@ -22,7 +22,7 @@ import transformers
 if not __package__:  # run as a script: import the project, not benchmarks/kernels.py as `kernels`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from engine import LLM, SamplingParams
+from pagedserve.engine import LLM, SamplingParams
 
 LLAMA3_8B = dict(
     hidden_size=4096,

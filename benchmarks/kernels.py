@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a file: import the `kernels` package, no
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels.metadata import AttentionMetadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 SCALE = HEAD_DIM**-0.5
@@ -130,7 +130,7 @@ def sdpa_ms(
 
 
 def bench_decode(batch: int, context: int, copy_gbps: float) -> DecodeResult:
-    from kernels.triton_backend import TritonBackend
+    from pagedserve.kernels.triton_backend import TritonBackend
 
     query, k_cache, v_cache, block_tables = paged_decode_inputs(batch, context)
     backend = TritonBackend()

@@ -22,10 +22,10 @@ if not __package__:  # run as a script: import the project, not benchmarks/kerne
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.workloads import filler_text, sharegpt_like_lengths
-from engine import LLM, SamplingParams
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.scheduler import Scheduler
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.request import Request
+from pagedserve.engine.scheduler import Scheduler
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

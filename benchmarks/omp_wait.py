@@ -35,8 +35,8 @@ def child(num_requests: int, output_len: int) -> None:
     sys.path[0] = str(ROOT)
     from benchmarks.throughput import pagedserve_run
     from benchmarks.workloads import chat_prompts
-    from engine import LLM
-    from engine.loader import embedded_gguf_path, materialize_gguf
+    from pagedserve.engine import LLM
+    from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf
 
     llm = LLM(model=str(materialize_gguf(embedded_gguf_path())), max_num_seqs=64, max_num_batched_tokens=2048)
     prompts = chat_prompts(llm.tokenizer, num_requests, 20, 400)

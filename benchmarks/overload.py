@@ -22,11 +22,11 @@ if __package__ in (None, ""):  # run as a file: import the project's packages, n
 
 import httpx
 
-from engine.async_engine import AsyncEngine
-from server import ServerSettings, create_app
-from server.background import BackgroundServer
-from server.engine_args import add_engine_args, engine_config
-from server.logs import request_logger
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.server import ServerSettings, create_app
+from pagedserve.server.background import BackgroundServer
+from pagedserve.server.engine_args import add_engine_args, engine_config
+from pagedserve.server.logs import request_logger
 
 MODEL = "overload"
 TARGET_P99_MS = 50.0

@@ -13,7 +13,7 @@ from pathlib import Path
 if not __package__:  # run as a file: import the project's packages, not benchmarks/kernels.py as `kernels`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from server.benchmark.command import main
+from pagedserve.server.benchmark.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

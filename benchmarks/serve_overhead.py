@@ -27,11 +27,11 @@ if __package__ in (None, ""):  # run as a file: import the project's packages, n
 
 import httpx
 
-from engine.async_engine import AsyncEngine
-from engine.async_stream import EngineObserver
-from server import ServerSettings, create_app
-from server.background import BackgroundServer
-from server.engine_args import add_engine_args, engine_config
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.async_stream import EngineObserver
+from pagedserve.server import ServerSettings, create_app
+from pagedserve.server.background import BackgroundServer
+from pagedserve.server.engine_args import add_engine_args, engine_config
 
 MODEL = "bench"
 TTFT_OVERHEAD_TARGET_MS = 15.0

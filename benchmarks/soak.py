@@ -26,10 +26,10 @@ if __package__ in (None, ""):  # run as a file: import the project's packages, n
 import httpx
 import psutil
 
-from engine.async_engine import AsyncEngine
-from server import ServerSettings, create_app
-from server.background import BackgroundServer
-from server.engine_args import add_engine_args, engine_config
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.server import ServerSettings, create_app
+from pagedserve.server.background import BackgroundServer
+from pagedserve.server.engine_args import add_engine_args, engine_config
 
 MODEL = "soak"
 WORDS = ["the", "a", "cat", "sat", "on", "mat", "and", "then", "it", "ran", "far", "away", "to", "find", "tea"]

@@ -26,8 +26,8 @@ if not __package__:  # run as a script: import the project, not benchmarks/kerne
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.workloads import chat_prompts
-from engine import LLM, SamplingParams
-from engine.loader import embedded_gguf_path, materialize_gguf
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf
 
 
 @dataclass

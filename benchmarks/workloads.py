@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from server.benchmark.workloads import WORDS, filler_text, sharegpt_like_lengths
+from pagedserve.server.benchmark.workloads import WORDS, filler_text, sharegpt_like_lengths
 
 __all__ = ["WORDS", "chat_prompts", "filler_text", "sharegpt_like_lengths"]
 

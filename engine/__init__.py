@@ -1,14 +1,14 @@
 """pagedserve's engine: everything that turns requests into tokens. Knows nothing about HTTP."""
 
-from engine import openmp_policy  # noqa: F401  (first: it sets torch's OpenMP wait policy before torch loads)
-from engine.async_engine import AsyncEngine
-from engine.async_stream import EngineUnavailableError
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import ContextLengthError, LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput, SequenceDelta, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.scheduler import QueueFullError
+from pagedserve.engine import openmp_policy  # noqa: F401  (first: it sets torch's OpenMP wait policy before torch loads)
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.async_stream import EngineUnavailableError
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm import LLM
+from pagedserve.engine.llm_engine import ContextLengthError, LLMEngine
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta, TokenLogprob
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import QueueFullError
 
 __all__ = [
     "LLM",

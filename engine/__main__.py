@@ -2,7 +2,7 @@
 
 import logging
 
-from engine.loader import embedded_gguf_path, materialize_gguf
+from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 print(materialize_gguf(embedded_gguf_path()))

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from engine.async_stream import (
+from pagedserve.engine.async_stream import (
     AbortRequest,
     AddRequest,
     Command,
@@ -31,13 +31,13 @@ from engine.async_stream import (
     ResetPrefixCache,
     hand_over,
 )
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel
-from engine.outputs import SequenceDelta
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Message
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.outputs import SequenceDelta
+from pagedserve.engine.request import RequestStatus
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.tokenizer import Message
 
 logger = logging.getLogger(__name__)
 

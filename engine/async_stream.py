@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.outputs import SequenceDelta
-from engine.sampling_params import SamplingParams
-from engine.scheduler import QueueFullError
+from pagedserve.engine.outputs import SequenceDelta
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import QueueFullError
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from pagedserve.engine.llm_engine import LLMEngine
 
 
 class EngineUnavailableError(RuntimeError):

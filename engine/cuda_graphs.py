@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels import AttentionBackend, AttentionMetadata
+from pagedserve.kernels import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
-    from engine.model_runner import StepInputs
-    from engine.models import LlamaForCausalLM
+    from pagedserve.engine.model_runner import StepInputs
+    from pagedserve.engine.models import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

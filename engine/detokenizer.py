@@ -9,7 +9,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 
 PROMPT_CONTEXT_TOKENS = 4  # decoders drop a leading space at the start of a stream; prompt context avoids it
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from engine.block_pool import BlockPool, KVBlock
-from engine.request import Request
+from pagedserve.engine.block_pool import BlockPool, KVBlock
+from pagedserve.engine.request import Request
 
 
 def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...], extra_key: bytes) -> bytes:

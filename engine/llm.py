@@ -8,11 +8,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Message
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.tokenizer import Message
 
 Prompt = str | list[int]
 

@@ -9,19 +9,19 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import openmp_policy
-from engine.config import EngineConfig
-from engine.cuda_graphs import cuda_graph_capture, graph_batch_sizes
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_loader import LoadedModel, kv_cache_budget, load_model, resolve_max_model_len
-from engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
-from engine.outputs import RequestMetrics, SequenceDelta, TokenLogprob
-from engine.request import Request, RequestStatus
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.tokenizer import Message, apply_chat_template
+from pagedserve.engine import openmp_policy
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.cuda_graphs import cuda_graph_capture, graph_batch_sizes
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.model_loader import LoadedModel, kv_cache_budget, load_model, resolve_max_model_len
+from pagedserve.engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+from pagedserve.engine.outputs import RequestMetrics, SequenceDelta, TokenLogprob
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.sampler import Sampler
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
+from pagedserve.engine.tokenizer import Message, apply_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class LLMEngine:
 
     def _profile_peak_memory(self) -> int:
         """Peak CUDA memory of a forward pass over a full token budget, on a throwaway one-block cache."""
-        from engine.profiling import profile_forward_peak  # CUDA only
+        from pagedserve.engine.profiling import profile_forward_peak  # CUDA only
 
         return profile_forward_peak(self.loaded, self.config)
 

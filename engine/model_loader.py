@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
-from engine.config import EngineConfig
-from engine.loader import iter_safetensors, resolve_model_dir
-from engine.models import LlamaForCausalLM, ModelSpec
-from engine.tokenizer import eos_token_ids, load_tokenizer
-from kernels import AttentionBackend, get_backend
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.loader import iter_safetensors, resolve_model_dir
+from pagedserve.engine.models import LlamaForCausalLM, ModelSpec
+from pagedserve.engine.tokenizer import eos_token_ids, load_tokenizer
+from pagedserve.kernels import AttentionBackend, get_backend
 
 logger = logging.getLogger(__name__)
 

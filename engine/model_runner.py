@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graphs import Capture, DecodeGraphs
-from engine.kv_cache_manager import KVCacheManager
-from engine.models import KVCache, LlamaForCausalLM, ModelSpec
-from engine.scheduler import ScheduledRequest
-from kernels import AttentionBackend, AttentionMetadata
+from pagedserve.engine.cuda_graphs import Capture, DecodeGraphs
+from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.models import KVCache, LlamaForCausalLM, ModelSpec
+from pagedserve.engine.scheduler import ScheduledRequest
+from pagedserve.kernels import AttentionBackend, AttentionMetadata
 
 
 @dataclass

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import EngineConfig
-from engine.model_loader import LoadedModel
-from engine.model_runner import allocate_kv_caches
-from kernels import AttentionMetadata
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.model_runner import allocate_kv_caches
+from pagedserve.kernels import AttentionMetadata
 
 
 @torch.inference_mode()

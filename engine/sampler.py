@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import TokenLogprob
-from engine.request import Request
+from pagedserve.engine.outputs import TokenLogprob
+from pagedserve.engine.request import Request
 
 
 @dataclass

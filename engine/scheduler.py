@@ -13,8 +13,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.request import Request, RequestStatus
 
 
 class QueueFullError(RuntimeError):

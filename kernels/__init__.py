@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import BACKEND_NAMES, AttentionBackend, get_backend, resolve_backend_name
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels.backend import BACKEND_NAMES, AttentionBackend, get_backend, resolve_backend_name
+from pagedserve.kernels.metadata import AttentionMetadata
 
 __all__ = [
     "BACKEND_NAMES",

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels.metadata import AttentionMetadata
 
 BACKEND_NAMES = ("auto", "triton", "torch")
 
@@ -58,9 +58,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
     resolved = resolve_backend_name(name, torch.device(device))
     if resolved == "triton":
-        from kernels.triton_backend import TritonBackend
+        from pagedserve.kernels.triton_backend import TritonBackend
 
         return TritonBackend()
-    from kernels.torch_backend import TorchBackend
+    from pagedserve.kernels.torch_backend import TorchBackend
 
     return TorchBackend()

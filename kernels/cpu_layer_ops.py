@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from kernels.cpu_native import native_library
+from pagedserve.kernels.cpu_native import native_library
 
 
 class LayerOps:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.cpu_native import native_function
+from pagedserve.kernels.cpu_native import native_function
 
 # Token counts the kernel takes. Measured over a step's projections of SmolLM2 (benchmarks/cpu_linear.py, 2
 # cores, two runs): 1.4-2.3x torch's matmul at 4-32 tokens, 0.95-1.4x at 1 and at 48-128.

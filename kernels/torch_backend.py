@@ -18,9 +18,15 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import AttentionBackend
-from kernels.cpu_native import VECTOR_LANES, DecodeAttention, WriteKV, decode_attention_kernel, write_kv_kernel
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.kernels.cpu_native import (
+    VECTOR_LANES,
+    DecodeAttention,
+    WriteKV,
+    decode_attention_kernel,
+    write_kv_kernel,
+)
+from pagedserve.kernels.metadata import AttentionMetadata
 
 DECODE_GROUP_SIZE = 16  # decode sequences per batched call: bounds padding to the group's longest
 # Prefill chunks of sequences up to this long go to the native kernel row by row: it reads each row's keys

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
-from kernels import triton_attention, triton_write_kv
-from kernels.backend import AttentionBackend
-from kernels.metadata import AttentionMetadata
-from kernels.triton_attention import AttentionLaunch, TileShape, choose_tile_shape
+from pagedserve.kernels import triton_attention, triton_write_kv
+from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.triton_attention import AttentionLaunch, TileShape, choose_tile_shape
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)

@@ -5,12 +5,12 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from engine.async_engine import AsyncEngine
-from server import chat, completions, routes
-from server.context import VERSION, ServerSettings, ServingContext
-from server.errors import install_error_handlers
-from server.metrics import ServerMetrics
-from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.server import chat, completions, routes
+from pagedserve.server.context import VERSION, ServerSettings, ServingContext
+from pagedserve.server.errors import install_error_handlers
+from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:

@@ -8,13 +8,13 @@ from collections.abc import Iterable
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from engine import CompletionOutput, SequenceDelta, TokenLogprob
-from server.context import ServingContext, serving
-from server.errors import to_api_error
-from server.generation import collect, start_streams, unless_disconnected
-from server.logprobs import chat_logprobs
-from server.protocol import ChatCompletionRequest
-from server.responses import (
+from pagedserve.engine import CompletionOutput, SequenceDelta, TokenLogprob
+from pagedserve.server.context import ServingContext, serving
+from pagedserve.server.errors import to_api_error
+from pagedserve.server.generation import collect, start_streams, unless_disconnected
+from pagedserve.server.logprobs import chat_logprobs
+from pagedserve.server.protocol import ChatCompletionRequest
+from pagedserve.server.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -23,7 +23,7 @@ from server.responses import (
     ChatLogprobs,
     Usage,
 )
-from server.sse import sse_events, sse_response
+from pagedserve.server.sse import sse_events, sse_response
 
 logger = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])

@@ -12,16 +12,16 @@ from collections.abc import Callable, Sequence
 
 import uvicorn
 
-from engine.async_engine import AsyncEngine
-from engine.loader import EMBEDDED_NAME
-from server import offline
-from server.app import create_app
-from server.benchmark.command import add_bench_commands
-from server.context import ServerSettings
-from server.engine_args import add_engine_args, engine_config
-from server.logs import LOG_FORMATS, configure_logging
-from server.offline import LOG_LEVELS
-from server.shutdown import ABORT_GRACE_SECONDS, DrainingServer
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.loader import EMBEDDED_NAME
+from pagedserve.server import offline
+from pagedserve.server.app import create_app
+from pagedserve.server.benchmark.command import add_bench_commands
+from pagedserve.server.context import ServerSettings
+from pagedserve.server.engine_args import add_engine_args, engine_config
+from pagedserve.server.logs import LOG_FORMATS, configure_logging
+from pagedserve.server.offline import LOG_LEVELS
+from pagedserve.server.shutdown import ABORT_GRACE_SECONDS, DrainingServer
 
 logger = logging.getLogger("pagedserve")
 API_KEY_ENV = "PAGEDSERVE_API_KEY"

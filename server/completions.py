@@ -8,15 +8,15 @@ from collections.abc import Iterable
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from engine import CompletionOutput, SequenceDelta, TokenLogprob
-from engine.async_engine import AsyncEngine
-from server.context import ServingContext, serving
-from server.errors import to_api_error
-from server.generation import collect, start_streams, unless_disconnected
-from server.logprobs import completion_logprobs, decode
-from server.protocol import CompletionRequest
-from server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
-from server.sse import sse_events, sse_response
+from pagedserve.engine import CompletionOutput, SequenceDelta, TokenLogprob
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.server.context import ServingContext, serving
+from pagedserve.server.errors import to_api_error
+from pagedserve.server.generation import collect, start_streams, unless_disconnected
+from pagedserve.server.logprobs import completion_logprobs, decode
+from pagedserve.server.protocol import CompletionRequest
+from pagedserve.server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
+from pagedserve.server.sse import sse_events, sse_response
 
 logger = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])

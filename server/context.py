@@ -12,13 +12,13 @@ from importlib.metadata import version
 
 from fastapi import Request
 
-from engine.async_engine import AsyncEngine
-from engine.async_stream import EngineUnavailableError
-from engine.loader import EMBEDDED_NAME
-from server.errors import APIError, engine_unavailable
-from server.logprobs import TokenTexts
-from server.metrics import ServerMetrics
-from server.responses import Envelope
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.async_stream import EngineUnavailableError
+from pagedserve.engine.loader import EMBEDDED_NAME
+from pagedserve.server.errors import APIError, engine_unavailable
+from pagedserve.server.logprobs import TokenTexts
+from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.responses import Envelope
 
 VERSION = version("pagedserve")
 

@@ -13,7 +13,7 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any
 
-from engine.config import DTYPES, EngineConfig
+from pagedserve.engine.config import DTYPES, EngineConfig
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,

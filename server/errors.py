@@ -18,8 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import ContextLengthError, QueueFullError, SamplingParams
-from engine.async_stream import EngineUnavailableError, QueueTimeoutError, RequestTimeoutError
+from pagedserve.engine import ContextLengthError, QueueFullError, SamplingParams
+from pagedserve.engine.async_stream import EngineUnavailableError, QueueTimeoutError, RequestTimeoutError
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from engine import CompletionOutput, QueueFullError, SamplingParams, SequenceDelta
-from engine.async_engine import AsyncEngine
-from engine.async_stream import EngineUnavailableError, RequestStream
-from server.errors import ClientDisconnected, server_error, to_api_error
-from server.logs import RequestRecord
+from pagedserve.engine import CompletionOutput, QueueFullError, SamplingParams, SequenceDelta
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.async_stream import EngineUnavailableError, RequestStream
+from pagedserve.server.errors import ClientDisconnected, server_error, to_api_error
+from pagedserve.server.logs import RequestRecord
 
 T = TypeVar("T")
 Streams = list[RequestStream]

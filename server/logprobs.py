@@ -6,8 +6,8 @@ import functools
 
 from transformers import PreTrainedTokenizerBase
 
-from engine import TokenLogprob
-from server.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pagedserve.engine import TokenLogprob
+from pagedserve.server.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 # JSON has no -inf; OpenAI clients expect a finite number for impossible tokens.
 MIN_LOGPROB = -9999.0

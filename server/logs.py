@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from engine import SequenceDelta
-from server.responses import PromptTokensDetails, Usage
+from pagedserve.engine import SequenceDelta
+from pagedserve.server.responses import PromptTokensDetails, Usage
 
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -9,9 +9,9 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.context import ServingContext
-from server.errors import APIError
-from server.logs import RequestRecord
+from pagedserve.server.context import ServingContext
+from pagedserve.server.errors import APIError
+from pagedserve.server.logs import RequestRecord
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _VALID_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe in logs and headers

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine import LLMEngine, SamplingParams
-from server.engine_args import add_engine_args, engine_config
+from pagedserve.engine import LLMEngine, SamplingParams
+from pagedserve.server.engine_args import add_engine_args, engine_config
 
 REQUEST_ID = "cli"
 EXIT_WORDS = ("/exit", "/quit")

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from engine import SamplingParams
-from engine.sampling_params import MAX_TOP_LOGPROBS
+from pagedserve.engine import SamplingParams
+from pagedserve.engine.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters

@@ -7,11 +7,11 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
-from server.context import VERSION, serving
-from server.errors import invalid_request, to_api_error
-from server.logprobs import decode
-from server.protocol import DetokenizeRequest, TokenizeRequest
-from server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from pagedserve.server.context import VERSION, serving
+from pagedserve.server.errors import invalid_request, to_api_error
+from pagedserve.server.logprobs import decode
+from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from pagedserve.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 
 router = APIRouter()
 

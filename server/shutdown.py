@@ -8,8 +8,8 @@ import types
 
 import uvicorn
 
-from engine.async_stream import EngineUnavailableError
-from server.context import ServingContext
+from pagedserve.engine.async_stream import EngineUnavailableError
+from pagedserve.server.context import ServingContext
 
 logger = logging.getLogger("pagedserve")
 ABORT_GRACE_SECONDS = 5  # for aborted requests to send their error event, and for uvicorn to close connections

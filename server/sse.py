@@ -16,11 +16,11 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
-from engine import SequenceDelta
-from server.errors import as_api_error
-from server.generation import Streams, close_all, merged, raise_if_failed
-from server.logs import RequestRecord
-from server.responses import Usage
+from pagedserve.engine import SequenceDelta
+from pagedserve.server.errors import as_api_error
+from pagedserve.server.generation import Streams, close_all, merged, raise_if_failed
+from pagedserve.server.logs import RequestRecord
+from pagedserve.server.responses import Usage
 
 Event = dict[str, str]
 

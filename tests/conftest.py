@@ -18,9 +18,9 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 
 import transformers
 
-from engine.config import EngineConfig
-from engine.loader import embedded_gguf_path, materialize_gguf
-from engine.model_loader import LoadedModel, load_model
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf
+from pagedserve.engine.model_loader import LoadedModel, load_model
 
 TINY_COMMON = dict(
     hidden_size=64,

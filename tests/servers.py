@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.model_loader import LoadedModel
-from server import ServerSettings, create_app
-from server.background import BackgroundServer
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.server import ServerSettings, create_app
+from pagedserve.server.background import BackgroundServer
 
 
 @contextlib.contextmanager

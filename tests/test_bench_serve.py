@@ -14,16 +14,16 @@ import httpx
 import pytest
 import transformers
 
-from engine import EngineConfig
-from engine.model_loader import LoadedModel
-from server import ServerSettings, cli
-from server.benchmark import BenchmarkConfig, run_benchmark, run_benchmark_async
-from server.benchmark.arrivals import inter_arrival_delays
-from server.benchmark.client import RequestRecord
-from server.benchmark.command import config_from_args, parse_slos, serve_command
-from server.benchmark.metrics import distribution_ms, peak_concurrency, summarize
-from server.benchmark.report import format_table
-from server.benchmark.workloads import (
+from pagedserve.engine import EngineConfig
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.server import ServerSettings, cli
+from pagedserve.server.benchmark import BenchmarkConfig, run_benchmark, run_benchmark_async
+from pagedserve.server.benchmark.arrivals import inter_arrival_delays
+from pagedserve.server.benchmark.client import RequestRecord
+from pagedserve.server.benchmark.command import config_from_args, parse_slos, serve_command
+from pagedserve.server.benchmark.metrics import distribution_ms, peak_concurrency, summarize
+from pagedserve.server.benchmark.report import format_table
+from pagedserve.server.benchmark.workloads import (
     PREFIX_WORDS,
     Tokenizer,
     build_requests,

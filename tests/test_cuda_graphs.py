@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeBuffers, eager_capture, graph_batch_sizes
-from engine.model_runner import StepInputs
-from kernels import AttentionMetadata
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.cuda_graphs import DecodeBuffers, eager_capture, graph_batch_sizes
+from pagedserve.engine.model_runner import StepInputs
+from pagedserve.kernels import AttentionMetadata
 
 pytest.importorskip("triton")
 

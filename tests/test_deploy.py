@@ -331,7 +331,7 @@ def test_known_metrics_are_what_the_server_exports() -> None:
     """The names the dashboard and the HPA use, against a real ServerMetrics registry (stub engine)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from server.metrics import ServerMetrics
+    from pagedserve.server.metrics import ServerMetrics
 
     class ZeroSnapshot:
         def __getattr__(self, name: str) -> int:
@@ -503,7 +503,7 @@ def test_hpa_scales_on_waiting_requests_through_the_adapter_rule() -> None:
 
 
 def test_the_cli_accepts_every_deployed_argument_list() -> None:
-    from server.cli import build_parser
+    from pagedserve.server.cli import build_parser
 
     arg_lists = {
         "Dockerfile CMD": json.loads(arguments("CMD")[-1]),

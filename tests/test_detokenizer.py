@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_loader import LoadedModel
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, ContextLengthError, SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel
+from pagedserve.engine import LLM, ContextLengthError, SamplingParams
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.model_loader import LoadedModel
 
 EOS = 2
 

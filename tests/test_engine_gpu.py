@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from benchmarks.gpu_throughput import save_placeholder_tokenizer
-from engine import LLM, SamplingParams
+from pagedserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pagedserve.engine import LLM, SamplingParams
 
 triton = pytest.importorskip("triton")
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import transformers
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel
-from engine.tokenizer import apply_chat_template
+from pagedserve.engine import SamplingParams
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.tokenizer import apply_chat_template
 
 QUESTIONS = [
     "Hi!",

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from kernels.metadata import AttentionMetadata
-from kernels.torch_backend import TorchBackend
-from kernels.torch_reference import paged_attention_reference, write_kv_reference
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.torch_backend import TorchBackend
+from pagedserve.kernels.torch_reference import paged_attention_reference, write_kv_reference
 from tests.kernel_cases import PagedCase, make_paged_case
 
 pytestmark = pytest.mark.gpu
@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs compiled Triton kernels (TRITON_INTERPRET=1 is set)", allow_module_level=True)
-triton_backend = pytest.importorskip("kernels.triton_backend")
+triton_backend = pytest.importorskip("pagedserve.kernels.triton_backend")
 SplitKVPolicy, TritonBackend = triton_backend.SplitKVPolicy, triton_backend.TritonBackend
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}

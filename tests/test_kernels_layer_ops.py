@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models import layers
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from kernels.cpu_layer_ops import LayerOps, layer_ops
+from pagedserve.engine.models import layers
+from pagedserve.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pagedserve.kernels.cpu_layer_ops import LayerOps, layer_ops
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 

@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from engine.models.layers import linear
-from kernels import cpu_linear
-from kernels.cpu_linear import MAX_ROWS, MIN_ROWS, SkinnyLinear, skinny_linear_for, skinny_linear_kernel
+from pagedserve.engine.models.layers import linear
+from pagedserve.kernels import cpu_linear
+from pagedserve.kernels.cpu_linear import MAX_ROWS, MIN_ROWS, SkinnyLinear, skinny_linear_for, skinny_linear_kernel
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 

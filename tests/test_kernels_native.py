@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_layer_ops, cpu_linear, cpu_native
-from kernels.metadata import AttentionMetadata
-from kernels.torch_backend import NATIVE_PREFILL_MAX_LEN, TorchBackend
-from kernels.torch_reference import paged_attention_reference, write_kv_reference
+from pagedserve.kernels import cpu_layer_ops, cpu_linear, cpu_native
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.torch_backend import NATIVE_PREFILL_MAX_LEN, TorchBackend
+from pagedserve.kernels.torch_reference import paged_attention_reference, write_kv_reference
 from tests.kernel_cases import MIXED_BATCHES, make_paged_case
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
@@ -164,7 +164,7 @@ def test_build_is_cached_on_disk(fresh_build) -> None:
 
 def test_without_a_working_compiler_the_torch_path_runs(fresh_build, monkeypatch, caplog) -> None:
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+    with caplog.at_level(logging.WARNING, logger="pagedserve.kernels.cpu_native"):
         assert cpu_native.decode_attention_kernel() is None
     assert "using the torch path" in caplog.text
     backend = TorchBackend()

@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from kernels.cpu_linear import skinny_linear_kernel
-from kernels.cpu_native import native_library
+from pagedserve.kernels.cpu_linear import skinny_linear_kernel
+from pagedserve.kernels.cpu_native import native_library
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 

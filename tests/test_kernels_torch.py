@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.torch_reference import (
+from pagedserve import kernels
+from pagedserve.kernels.torch_reference import (
     dense_causal_attention,
     gather_sequence_kv,
     paged_attention_reference,

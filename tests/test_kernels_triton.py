@@ -16,13 +16,13 @@ import torch
 # when a function is decorated, its own library included, so this must precede triton's first import.
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
-import kernels
-from kernels.metadata import AttentionMetadata
-from kernels.torch_reference import paged_attention_reference, write_kv_reference
+from pagedserve import kernels
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.torch_reference import paged_attention_reference, write_kv_reference
 from tests.kernel_cases import MIXED_BATCHES, PagedCase, make_paged_case
 
 triton = pytest.importorskip("triton")
-triton_backend = pytest.importorskip("kernels.triton_backend")
+triton_backend = pytest.importorskip("pagedserve.kernels.triton_backend")
 SplitKVPolicy, TritonBackend = triton_backend.SplitKVPolicy, triton_backend.TritonBackend
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from engine import LLM, SamplingParams
-from engine.loader import iter_safetensors, materialize_gguf, resolve_model_dir
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.loader import iter_safetensors, materialize_gguf, resolve_model_dir
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path, tiny_model_dir) -> None:

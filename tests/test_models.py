@@ -9,11 +9,11 @@ import pytest
 import torch
 import transformers
 
-from engine.config import EngineConfig
-from engine.model_loader import load_model
-from engine.model_runner import allocate_kv_caches
-from engine.models import ModelSpec
-from kernels import AttentionMetadata
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.model_loader import load_model
+from pagedserve.engine.model_runner import allocate_kv_caches
+from pagedserve.engine.models import ModelSpec
+from pagedserve.kernels import AttentionMetadata
 
 
 def our_logits(model_dir: Path, token_ids: list[int], chunk: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine import openmp_policy
+from pagedserve.engine import openmp_policy
 
 
 def _import_engine(statements: str) -> str:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-import engine.kv_cache_manager as kv_module
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel
+import pagedserve.engine.kv_cache_manager as kv_module
+from pagedserve.engine import SamplingParams
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.model_loader import LoadedModel
 from tests.test_block_pool import assert_pool_consistent
 from tests.test_engine import prompt, run
 

@@ -41,7 +41,8 @@ def launch(folder: Path, shutdown_timeout: str) -> Served:
         port = probe.getsockname()[1]
     log = folder / f"serve-{shutdown_timeout}s.log"
     command = [
-        sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--shutdown-timeout", shutdown_timeout,
+        sys.executable, "-m", "pagedserve.server.cli", "serve",
+        "--port", str(port), "--shutdown-timeout", shutdown_timeout,
         "--log-format", "json", "--num-kv-blocks", "256", "--max-num-seqs", str(NUM_STREAMS),
         "--num-threads", "1",  # two idle-spinning torch threads crawl on a 2-core machine that is busy elsewhere
     ]  # fmt: skip

@@ -15,10 +15,10 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from engine import EngineConfig, LLMEngine
-from engine.async_engine import AsyncEngine
-from engine.model_loader import LoadedModel
-from server import ServerSettings, create_app
+from pagedserve.engine import EngineConfig, LLMEngine
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.server import ServerSettings, create_app
 from tests.servers import served_engine
 
 MODEL = "smol"

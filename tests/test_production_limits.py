@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from engine import EngineConfig
-from engine.async_engine import AsyncEngine
-from engine.model_loader import LoadedModel
-from server import ServerSettings, cli
-from server.logs import JsonFormatter
+from pagedserve.engine import EngineConfig
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.server import ServerSettings, cli
+from pagedserve.server.logs import JsonFormatter
 from tests.servers import running_engine, serving
 
 MODEL = "smol"

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from engine import EngineConfig
-from engine.model_loader import LoadedModel
-from server import ServerSettings
+from pagedserve.engine import EngineConfig
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.server import ServerSettings
 from tests.servers import served_engine
 
 MODEL = "smol"

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 
 from benchmarks.soak import MODEL, soak
-from engine import EngineConfig
-from engine.async_engine import AsyncEngine
-from engine.model_loader import LoadedModel
-from server import ServerSettings
+from pagedserve.engine import EngineConfig
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.server import ServerSettings
 from tests.servers import running_engine, serving
 
 SECONDS = 30

@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from engine.request import Request
-from engine.sampler import Sampler, apply_logit_processors
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.request import Request
+from pagedserve.engine.sampler import Sampler, apply_logit_processors
+from pagedserve.engine.sampling_params import SamplingParams
 
 VOCAB = 8
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import EngineConfig, LLMEngine
-from engine.model_loader import LoadedModel
-from server import cli, offline
-from server.engine_args import engine_config
+from pagedserve.engine import EngineConfig, LLMEngine
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.server import cli, offline
+from pagedserve.server.engine_args import engine_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

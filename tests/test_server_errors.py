@@ -8,10 +8,10 @@ import httpx
 import openai
 import pytest
 
-from engine import EngineConfig
-from engine.async_engine import AsyncEngine
-from engine.model_loader import LoadedModel
-from server import ServerSettings
+from pagedserve.engine import EngineConfig
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.server import ServerSettings
 from tests.servers import running_engine, serving
 
 MODEL = "smol"

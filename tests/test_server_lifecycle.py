@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from engine import EngineConfig, LLMEngine, SequenceDelta
-from engine.async_engine import AsyncEngine
-from engine.model_loader import LoadedModel
-from server import create_app
-from server.background import BackgroundServer
-from server.context import ServingContext
+from pagedserve.engine import EngineConfig, LLMEngine, SequenceDelta
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.server import create_app
+from pagedserve.server.background import BackgroundServer
+from pagedserve.server.context import ServingContext
 
 CONFIG = EngineConfig(num_kv_blocks=32)
 CHAT = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30}

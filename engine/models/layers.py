@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kernels.cpu_layer_ops import heads_in_feature_order, is_dense_activation, layer_ops_for
-from kernels.cpu_linear import skinny_linear_for
+from pagedserve.kernels.cpu_layer_ops import heads_in_feature_order, is_dense_activation, layer_ops_for
+from pagedserve.kernels.cpu_linear import skinny_linear_for
 
 # On CPU, batches of up to this many rows compute x @ W^T as (W @ x^T)^T: the same product, which MKL blocks
 # better in that orientation when x has few rows. Measured on every projection of SmolLM2 (fp32, 2 cores,

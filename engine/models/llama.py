@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.models.layers import (
+from pagedserve.engine.models.layers import (
     GatedMLP,
     Linear,
     RMSNorm,
@@ -21,8 +21,8 @@ from engine.models.layers import (
     in_linear_output_layout,
     linear,
 )
-from engine.models.spec import ModelSpec
-from kernels import AttentionBackend, AttentionMetadata
+from pagedserve.engine.models.spec import ModelSpec
+from pagedserve.kernels import AttentionBackend, AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
-from server.benchmark.config import BenchmarkConfig
-from server.benchmark.workloads import SampleRequest
+from pagedserve.server.benchmark.config import BenchmarkConfig
+from pagedserve.server.benchmark.workloads import SampleRequest
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # No read limit short of this: a request may wait long in a deep server queue before its first byte.

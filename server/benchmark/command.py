@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 
-from server.benchmark.config import ENDPOINT_TYPES, SLO_METRICS, WORKLOADS, BenchmarkConfig
-from server.benchmark.report import format_table
-from server.benchmark.runner import run_benchmark
+from pagedserve.server.benchmark.config import ENDPOINT_TYPES, SLO_METRICS, WORKLOADS, BenchmarkConfig
+from pagedserve.server.benchmark.report import format_table
+from pagedserve.server.benchmark.runner import run_benchmark
 
 DESCRIPTION = "Load-test any OpenAI-compatible server: streamed requests, TTFT/TPOT/ITL/E2E and throughput."
 DEFAULT = "(default: %(default)s)"

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from server.benchmark.client import RequestRecord
+from pagedserve.server.benchmark.client import RequestRecord
 
 MAX_ERROR_EXAMPLES = 5
 

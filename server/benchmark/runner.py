@@ -14,11 +14,17 @@ from typing import Any, cast
 import httpx
 from tqdm.auto import tqdm
 
-from server.benchmark.arrivals import inter_arrival_delays, paced
-from server.benchmark.client import TIMEOUT, RequestRecord, first_model, send_request
-from server.benchmark.config import BenchmarkConfig
-from server.benchmark.metrics import summarize
-from server.benchmark.workloads import SampleRequest, Tokenizer, build_requests, count_tokens, synthetic_request
+from pagedserve.server.benchmark.arrivals import inter_arrival_delays, paced
+from pagedserve.server.benchmark.client import TIMEOUT, RequestRecord, first_model, send_request
+from pagedserve.server.benchmark.config import BenchmarkConfig
+from pagedserve.server.benchmark.metrics import summarize
+from pagedserve.server.benchmark.workloads import (
+    SampleRequest,
+    Tokenizer,
+    build_requests,
+    count_tokens,
+    synthetic_request,
+)
 
 WARMUP_MAX_TOKENS = 16
 
@@ -57,7 +63,7 @@ def default_tokenizer(model: str) -> str:
     """The served model when it names a local folder, else the embedded SmolLM2 (pagedserve's default)."""
     if Path(model).exists():
         return model
-    from engine.loader import embedded_gguf_path, materialize_gguf  # torch: only when needed
+    from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf  # torch: only when needed
 
     return str(materialize_gguf(embedded_gguf_path()))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from server.benchmark.config import BenchmarkConfig
+from pagedserve.server.benchmark.config import BenchmarkConfig
 
 WORDS = (  # noqa: SIM905 (a word list reads better as one string)
     "the of and to in is was for on that with as by at from his her an were are which this be or has had not "
