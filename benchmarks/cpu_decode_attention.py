@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a file: import the `kernels` package, no
 import torch
 
 from benchmarks.kernels import DecodeShape, cpu_median_ms, decode_metadata, paged_decode_inputs
-from pagedserve.kernels.torch_backend import TorchBackend
+from pagedserve.kernels.cpu_backend import CpuBackend
 
 SMOLLM2 = DecodeShape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32, device="cpu")
 SCALE = SMOLLM2.head_dim**-0.5
@@ -36,7 +36,7 @@ def read_bandwidth_gbps() -> float:
     return data.numel() * data.element_size() / cpu_median_ms(data.sum, REPEATS) / 1e6
 
 
-def step_ms(backend: TorchBackend, batch: int, context: int, layers: list[tuple[torch.Tensor, ...]]) -> float:
+def step_ms(backend: CpuBackend, batch: int, context: int, layers: list[tuple[torch.Tensor, ...]]) -> float:
     """Every layer's decode attention for one step, planned once as the engine plans it."""
     metadata = backend.prepare(decode_metadata(batch, context, layers[0][3], SMOLLM2.block_size))
 
@@ -48,7 +48,7 @@ def step_ms(backend: TorchBackend, batch: int, context: int, layers: list[tuple[
 
 
 def main() -> int:
-    native, torch_path = TorchBackend(), TorchBackend(native=False)
+    native, torch_path = CpuBackend(), CpuBackend(native=False)
     if native.native_decode is None:
         print("the native kernel could not be built here (see the warning above): nothing to compare")
         return 1

@@ -1,6 +1,6 @@
 """Prefill attention on the CPU: whole prompts through the native kernel row by row, against SDPA.
 
-The torch backend sends the prefill chunks of sequences up to NATIVE_PREFILL_MAX_LEN tokens to the native
+The CPU backend sends the prefill chunks of sequences up to NATIVE_PREFILL_MAX_LEN tokens to the native
 attention kernel, one query row at a time over the tokens up to its own; longer ones go to CPU SDPA's flash
 kernel after a gather of their blocks. This prints where that limit comes from: for prompts of several
 lengths (SmolLM2-135M's heads, block size 16, blocks scattered at random), the median time of one whole-prompt
@@ -21,14 +21,15 @@ import torch
 
 from benchmarks.cpu_decode_attention import NUM_LAYERS, SCALE, SMOLLM2
 from benchmarks.kernels import cpu_median_ms
+from pagedserve.kernels.cpu_attention import NATIVE_PREFILL_MAX_LEN
+from pagedserve.kernels.cpu_backend import CpuBackend
 from pagedserve.kernels.metadata import AttentionMetadata
-from pagedserve.kernels.torch_backend import NATIVE_PREFILL_MAX_LEN, TorchBackend
 
 PROMPT_LENS = (64, 205, 400, 800)
 REPEATS = 5
 
 
-def prefill_ms(backend: TorchBackend, prompt_len: int, native: bool) -> float:
+def prefill_ms(backend: CpuBackend, prompt_len: int, native: bool) -> float:
     """One prompt's attention in every layer, planned once; `native` picks the path for this length."""
     shape = SMOLLM2
     num_blocks = -(-prompt_len // shape.block_size)
@@ -53,7 +54,7 @@ def prefill_ms(backend: TorchBackend, prompt_len: int, native: bool) -> float:
 
 
 def main() -> int:
-    backend = TorchBackend()
+    backend = CpuBackend()
     if backend.native_decode is None:
         print("the native kernel could not be built here: nothing to compare")
         return 1

@@ -2,11 +2,11 @@
 
 SmolLM2-135M's shape (30 layers, 3 KV heads of 64), block size 16, float32. Keys and values are the strided
 views the engine hands over: slices of the fused qkv projection, feature-major for a decode batch (the layout
-linear() returns for up to 256 tokens), token-major for a prefill chunk. Slots are laid out as the block
-manager hands them out, in a cache of 2,048 blocks per layer: a decode token goes to its own sequence's
-block, a prefill chunk fills whole blocks, and the blocks are scattered at random. For each case it prints
-the median time of one step's writes over all 30 layers on each path and torch/native (above 1: the C copy
-is faster).
+the CPU backend's linear returns for up to 256 tokens), token-major for a prefill chunk. Slots are laid out as
+the block manager hands them out, in a cache of 2,048 blocks per layer: a decode token goes to its own
+sequence's block, a prefill chunk fills whole blocks, and the blocks are scattered at random. For each case it
+prints the median time of one step's writes over all 30 layers on each path and torch/native (above 1: the C
+copy is faster).
 
     python -m benchmarks.cpu_write_kv
 """
@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a file: import the `kernels` package, no
 import torch
 
 from benchmarks.kernels import cpu_median_ms
-from pagedserve.kernels.torch_backend import TorchBackend
+from pagedserve.kernels.cpu_backend import CpuBackend
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE = 30, 2048, 16
 Q_SIZE, NUM_KV_HEADS, HEAD_DIM = 576, 3, 64
@@ -50,7 +50,7 @@ def step_slots(tokens: int, decode: bool) -> torch.Tensor:
 
 
 def main() -> None:
-    native, torch_path = TorchBackend(), TorchBackend(native=False)
+    native, torch_path = CpuBackend(), CpuBackend(native=False)
     if native.native_write_kv is None:
         raise SystemExit("the native kernels could not be built (no C compiler?)")
     cache_shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -62,7 +62,7 @@ def main() -> None:
         slots = step_slots(tokens, feature_major)
         inputs = [layer_inputs(tokens, feature_major) for _ in range(NUM_LAYERS)]
 
-        def step(backend: TorchBackend, inputs: list[tuple[torch.Tensor, ...]] = inputs, slots=slots) -> None:
+        def step(backend: CpuBackend, inputs: list[tuple[torch.Tensor, ...]] = inputs, slots=slots) -> None:
             for (key, value), (k_cache, v_cache) in zip(inputs, caches):
                 backend.write_kv(key, value, k_cache, v_cache, slots)
 

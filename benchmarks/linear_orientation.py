@@ -1,4 +1,4 @@
-"""x @ W^T against (W @ x^T)^T on this CPU: the choice behind engine.models.layers.linear.
+"""x @ W^T against (W @ x^T)^T on this CPU: the choice behind CpuBackend.linear (kernels/cpu_backend.py).
 
     python benchmarks/linear_orientation.py [--rows 16,64,128,256,2048]
 

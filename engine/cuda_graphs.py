@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedserve.kernels import AttentionBackend, AttentionMetadata
+from pagedserve.kernels import AttentionMetadata, KernelBackend
 
 if TYPE_CHECKING:
     from pagedserve.engine.model_runner import StepInputs
@@ -123,7 +123,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        backend: AttentionBackend,
+        backend: KernelBackend,
         block_size: int,
         max_seq_len: int,
         batch_sizes: list[int],

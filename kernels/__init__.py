@@ -1,4 +1,5 @@
-"""Paged KV-cache kernels: `write_kv` and `paged_attention`, one contract, several backends.
+"""Paged KV-cache kernels: `write_kv` and `paged_attention`, one contract, several backends (each also runs the
+dense ops of a decoder layer: see KernelBackend).
 
 KV cache per layer: `k_cache`, `v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim].
 """
@@ -7,13 +8,22 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.backend import BACKEND_NAMES, AttentionBackend, get_backend, resolve_backend_name
+from pagedserve.kernels.backend import (
+    BACKEND_NAMES,
+    AttentionBackend,
+    KernelBackend,
+    RotaryAngles,
+    get_backend,
+    resolve_backend_name,
+)
 from pagedserve.kernels.metadata import AttentionMetadata
 
 __all__ = [
     "BACKEND_NAMES",
     "AttentionBackend",
     "AttentionMetadata",
+    "KernelBackend",
+    "RotaryAngles",
     "get_backend",
     "paged_attention",
     "resolve_backend_name",

@@ -1,18 +1,48 @@
-"""The attention backend interface and the choice between implementations."""
+"""The kernel backend interface, and the choice between implementations.
+
+A backend runs what a decoder layer computes: paged attention over the KV cache, and the dense ops around it
+(projections, RMSNorm, SwiGLU, rotary embedding). The dense ops default to plain torch, which is what CUDA
+runs; a backend overrides those it has something faster for.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+import torch.nn.functional as F
 
 from pagedserve.kernels.metadata import AttentionMetadata
 
-BACKEND_NAMES = ("auto", "triton", "torch")
+BACKEND_NAMES = ("auto", "triton", "cpu")
+DEPRECATED_NAMES = {"torch": "cpu"}  # the CPU backend's former name, so that older configs keep working
 
 
-class AttentionBackend(ABC):
-    """Writes new keys/values into the paged cache and attends over it (see DESIGN.md, kernel contract)."""
+@dataclass
+class RotaryAngles:
+    """cos and sin of one step's positions, looked up once and shared by every layer."""
+
+    cos: torch.Tensor  # [T, head_dim]: each frequency twice, as transformers' tables hold it
+    sin: torch.Tensor
+
+    @cached_property
+    def token_major_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, head_dim / 2] each: the fused CPU op's tables for token-major activations."""
+        half = self.cos.shape[-1] // 2
+        return self.cos[:, :half].contiguous(), self.sin[:, :half].contiguous()
+
+    @cached_property
+    def feature_major_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[head_dim / 2, T] each: the tables for feature-major activations."""
+        cos, sin = self.token_major_halves
+        return cos.t().contiguous(), sin.t().contiguous()
+
+
+class KernelBackend(ABC):
+    """Writes new keys/values into the paged cache and attends over it (see DESIGN.md, kernel contract), and
+    runs the dense ops of a layer on activations [tokens, features]."""
 
     name: str
     # True when a step's launches depend only on device tensors and what `prepare` planned, so a recorded
@@ -46,21 +76,67 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor: ...
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] @ weight^T + bias, in whichever layout the backend returns (see in_linear_output_layout)."""
+        return F.linear(x, weight, bias)
+
+    def in_linear_output_layout(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, F] laid out the way linear() returns its outputs, so that the residual stream and the layer
+        outputs added to it share one layout."""
+        return x
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(residual + x), residual + x). A backend may write the sum into `residual` itself."""
+        residual = residual + x
+        return rms_norm(residual, weight, eps), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up for gate_up = [gate | up], [T, 2I] -> [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary(self, angles: RotaryAngles, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [T, H, D], key [T, KVH, D] rotated by their positions' angles. A backend may rotate in place."""
+        cos = angles.cos.unsqueeze(1).to(query.dtype)
+        sin = angles.sin.unsqueeze(1).to(query.dtype)
+        return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+
+
+AttentionBackend = KernelBackend  # the interface's name from when it covered attention only
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 and cast back before the weight, exactly as transformers does.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
+    name = DEPRECATED_NAMES.get(name, name)
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" else "cpu"
     return name
 
 
-def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
+def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> KernelBackend:
     resolved = resolve_backend_name(name, torch.device(device))
     if resolved == "triton":
         from pagedserve.kernels.triton_backend import TritonBackend
 
         return TritonBackend()
-    from pagedserve.kernels.torch_backend import TorchBackend
+    from pagedserve.kernels.cpu_backend import CpuBackend
 
-    return TorchBackend()
+    return CpuBackend()

@@ -1,9 +1,10 @@
 """Fused float32 CPU ops of a decoder layer (csrc/layer_ops.c): residual add + RMSNorm, SiLU * up, rotary.
 
 Each replaces a chain of torch ops with one threaded pass over memory. They take activations [tokens,
-features] in either of the layouts the CPU linear layer produces (token-major, or the feature-major
+features] in either of the layouts the CPU backend's linear produces (token-major, or the feature-major
 transposed view it returns for small batches) and return results in the same layout, so the next matmul
-reads them as they are. `layer_ops_for(x)` says whether they apply to x; where not, the model's torch code runs.
+reads them as they are. The CPU backend (kernels/cpu_backend.py) decides where they apply; where not, the
+torch code runs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pagedserve.kernels.cpu_native import native_library
 
 
 class LayerOps:
-    """The ops bound to the compiled library. Arguments must be float32 CPU tensors (see layer_ops_for)."""
+    """The ops bound to the compiled library. Arguments must be float32 CPU tensors outside autograd."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -97,13 +98,6 @@ class LayerOps:
 def layer_ops() -> LayerOps | None:
     library = native_library()
     return None if library is None else LayerOps(library)
-
-
-def layer_ops_for(x: torch.Tensor) -> LayerOps | None:
-    """The native ops where they can run on x (float32 on the CPU, outside autograd), else None."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad:
-        return None
-    return layer_ops()
 
 
 def heads_in_feature_order(x: torch.Tensor) -> bool:

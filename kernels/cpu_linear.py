@@ -29,14 +29,12 @@ def skinny_linear_kernel() -> SkinnyLinear | None:
     return None if function is None else functools.partial(_skinny_linear, function)
 
 
-def skinny_linear_for(x: torch.Tensor, weight: torch.Tensor) -> SkinnyLinear | None:
-    """The kernel where it applies to x [T, in] @ weight [out, in]^T (float32 CPU, MIN_ROWS..MAX_ROWS
-    tokens), else None."""
+def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes x [T, in] @ weight [out, in]^T: float32 on the CPU, MIN_ROWS..MAX_ROWS tokens,
+    outside autograd."""
     if x.dim() != 2 or not MIN_ROWS <= x.shape[0] <= MAX_ROWS or x.device.type != "cpu":
-        return None
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.requires_grad:
-        return None
-    return skinny_linear_kernel()
+        return False
+    return x.dtype == torch.float32 and weight.dtype == torch.float32 and not x.requires_grad
 
 
 def _skinny_linear(

@@ -61,10 +61,14 @@ def native_library() -> ctypes.CDLL | None:
     if not native_kernels_enabled():
         return None
     try:
-        return ctypes.CDLL(str(_build()))
+        path = _build()
+        library = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("native CPU kernels unavailable, using the torch path: %s", exc)
+        # Loud: the torch path runs 2-3x slower, which a user would otherwise only see as a slow server.
+        logger.error("native CPU kernels unavailable, using the slower torch path: %s", exc)
         return None
+    logger.info("native CPU kernels ready (%s)", path)
+    return library
 
 
 def native_function(symbol: str, argtypes: list[Any]) -> Callable[..., int] | None:

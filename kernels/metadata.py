@@ -24,7 +24,7 @@ class AttentionMetadata:
     block_size: int
     query_lens_host: list[int]
     seq_lens_host: list[int]
-    plan: Any = field(default=None, repr=False)  # backend-specific, filled by AttentionBackend.prepare
+    plan: Any = field(default=None, repr=False)  # backend-specific, filled by KernelBackend.prepare
 
     @property
     def num_seqs(self) -> int:

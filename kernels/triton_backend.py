@@ -1,4 +1,5 @@
-"""CUDA backend: the kernel contract in Triton (also runs on CPU tensors under TRITON_INTERPRET=1).
+"""CUDA backend: the kernel contract in Triton (also runs on CPU tensors under TRITON_INTERPRET=1); the dense ops
+are the base class's torch defaults.
 
 `prepare` keeps the step's host-side lengths; the first layer to attend turns them into an `AttentionLaunch`
 (query tiles on the device, tile shape, split count) that every later layer of the step reuses. Nothing here
@@ -14,7 +15,7 @@ import torch
 import triton
 
 from pagedserve.kernels import triton_attention, triton_write_kv
-from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.kernels.backend import KernelBackend
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.kernels.triton_attention import AttentionLaunch, TileShape, choose_tile_shape
 
@@ -42,7 +43,7 @@ class _TritonPlan:
     launches: dict[tuple[int, int, int], AttentionLaunch] = field(default_factory=dict)
 
 
-class TritonBackend(AttentionBackend):
+class TritonBackend(KernelBackend):
     name = "triton"
     supports_cuda_graphs = True
 

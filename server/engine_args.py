@@ -17,7 +17,7 @@ from pagedserve.engine.config import DTYPES, EngineConfig
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
-    "attention_backend": ("auto", "triton", "torch"),
+    "attention_backend": ("auto", "triton", "cpu"),
     "load_format": ("auto", "dummy"),
 }
 _FIELD_COMMENT = re.compile(r"^\s+(\w+):[^#\n]*#\s*(.+)$", re.MULTILINE)

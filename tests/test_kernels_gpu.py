@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
+from pagedserve.kernels.cpu_backend import CpuBackend
 from pagedserve.kernels.metadata import AttentionMetadata
-from pagedserve.kernels.torch_backend import TorchBackend
 from pagedserve.kernels.torch_reference import paged_attention_reference, write_kv_reference
 from tests.kernel_cases import PagedCase, make_paged_case
 
@@ -27,9 +27,9 @@ LONG_DECODES = ([8192, 3000], [1, 1])
 
 
 def _case(batch: tuple[list[int], list[int]], **kwargs) -> PagedCase:
-    """A CUDA case with the new keys/values already written (by the torch backend)."""
+    """A CUDA case with the new keys/values already written (by the CPU backend's torch path, on the GPU)."""
     case = make_paged_case(*batch, device="cuda", **kwargs)
-    TorchBackend().write_kv(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    CpuBackend().write_kv(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
     return case
 
 

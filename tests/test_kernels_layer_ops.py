@@ -1,4 +1,5 @@
-"""The fused CPU layer ops (kernels/cpu_layer_ops.py) against the torch code they replace, in both layouts."""
+"""The fused CPU layer ops (kernels/cpu_layer_ops.py) against the torch code they replace, in both layouts, and
+the CPU backend's dense ops that route to them against the base class's torch defaults."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.engine.models import layers
 from pagedserve.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pagedserve.kernels.backend import KernelBackend, rms_norm, rotate_half
+from pagedserve.kernels.cpu_backend import TRANSPOSED_GEMM_MAX_ROWS, CpuBackend
 from pagedserve.kernels.cpu_layer_ops import LayerOps, layer_ops
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
@@ -98,9 +100,9 @@ def test_rotary_matches_torch(ops: LayerOps, tokens: int, layout: str) -> None:
     key = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     rotary = RotaryEmbedding(head_dim, 4096, {"rope_theta": 10000.0}, None)
     angles = rotary.angles(torch.randint(0, 4096, (tokens,), generator=generator))
-    expected = [x * angles.cos[:, None] + layers._rotate_half(x) * angles.sin[:, None] for x in (query, key)]
+    expected = [x * angles.cos[:, None] + rotate_half(x) * angles.sin[:, None] for x in (query, key)]
     value_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
-    rotated = rotary(angles, query, key)
+    rotated = CpuBackend().rotary(angles, query, key)
     assert rotated[0].data_ptr() == query.data_ptr(), "rotated in place, in the qkv activation"
     for got, want in zip(rotated, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
@@ -108,32 +110,55 @@ def test_rotary_matches_torch(ops: LayerOps, tokens: int, layout: str) -> None:
 
 
 def test_rms_norm_module_uses_the_fused_op_in_place(ops: LayerOps) -> None:
-    norm = RMSNorm(32, 1e-6)
+    norm = RMSNorm(32, 1e-6, CpuBackend())
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 1.5, 32))
     generator = torch.Generator().manual_seed(1)
     residual, delta = feature_major(8, 32, generator), feature_major(8, 32, generator)
     expected_sum = residual + delta
-    expected = norm._normalize(expected_sum)
+    expected = rms_norm(expected_sum, norm.weight, norm.eps)
     with torch.inference_mode():
         out, stream = norm.add_and_forward(delta, residual)
     assert stream is residual and torch.equal(stream, expected_sum)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_gated_mlp_matches_the_torch_path(ops: LayerOps, monkeypatch) -> None:
+def test_gated_mlp_matches_the_torch_path(ops: LayerOps) -> None:
     torch.manual_seed(0)
-    mlp = GatedMLP(24, 40)
+    mlp, reference = GatedMLP(24, 40, CpuBackend()), GatedMLP(24, 40, CpuBackend(native=False))
+    reference.load_state_dict(mlp.state_dict())
     x = torch.randn(6, 24)
     with torch.inference_mode():
-        fused = mlp(x)
-        monkeypatch.setattr(layers, "layer_ops_for", lambda tensor: None)
-        reference = mlp(x)
-    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mlp(x), reference(x), rtol=1e-5, atol=1e-6)
+
+
+# Token counts on both sides of the transposed-GEMM limit: feature-major outputs up to it, token-major past it.
+@pytest.mark.parametrize("tokens", [1, 16, 75, TRANSPOSED_GEMM_MAX_ROWS, TRANSPOSED_GEMM_MAX_ROWS + 1])
+def test_cpu_dense_ops_match_the_torch_defaults(ops: LayerOps, tokens: int) -> None:
+    """Each dense op the CPU backend overrides computes what the base class's torch default (CUDA's) does."""
+    backend, generator = CpuBackend(), torch.Generator().manual_seed(tokens)
+    torch_op = KernelBackend
+    x, weight, bias = (torch.randn(shape, generator=generator) for shape in ((tokens, 48), (80, 48), (80,)))
+    with torch.inference_mode():
+        out = backend.linear(x, weight, bias)
+        torch.testing.assert_close(out, torch_op.linear(backend, x, weight, bias), rtol=1e-5, atol=1e-4)
+        hidden = backend.in_linear_output_layout(torch.randn(tokens, 80, generator=generator))
+        if tokens > 1:  # one token is both layouts at once
+            assert (out.stride(0) == 1) == (tokens <= TRANSPOSED_GEMM_MAX_ROWS), "feature-major for small batches"
+            assert hidden.stride() == out.stride(), "the residual stream shares the projections' layout"
+        norm_weight = torch.randn(80, generator=generator)
+        torch.testing.assert_close(
+            backend.rms_norm(out, norm_weight, 1e-6), torch_op.rms_norm(backend, out, norm_weight, 1e-6)
+        )
+        expected_norm, expected_sum = torch_op.add_rms_norm(backend, out, hidden, norm_weight, 1e-6)
+        normed, residual = backend.add_rms_norm(out, hidden, norm_weight, 1e-6)
+        torch.testing.assert_close(normed, expected_norm)
+        assert residual is hidden and torch.equal(residual, expected_sum), "the sum lands in the residual"
+        torch.testing.assert_close(backend.silu_and_mul(out), torch_op.silu_and_mul(backend, out))
 
 
 def test_autograd_inputs_keep_the_torch_path() -> None:
-    norm = RMSNorm(16, 1e-6)
+    norm = RMSNorm(16, 1e-6, CpuBackend())
     x = torch.randn(4, 16, requires_grad=True)
     norm(x).sum().backward()  # the fused op would bypass autograd; the torch path keeps gradients flowing
     assert x.grad is not None
@@ -153,11 +178,11 @@ def test_layouts_the_kernels_would_misread_are_refused(ops: LayerOps, call) -> N
 
 
 def test_rms_norm_module_takes_activations_the_fused_op_does_not(ops: LayerOps) -> None:
-    norm = RMSNorm(16, 1e-6)
+    norm = RMSNorm(16, 1e-6, CpuBackend())
     strided = torch.randn(6, 32)[:, ::2]  # neither layout: the torch path runs
     delta = torch.randn(6, 16)
     with torch.inference_mode():
-        torch.testing.assert_close(norm(strided), norm._normalize(strided))
+        torch.testing.assert_close(norm(strided), rms_norm(strided, norm.weight, norm.eps))
         out, stream = norm.add_and_forward(delta, strided)
     torch.testing.assert_close(stream, strided + delta)
-    torch.testing.assert_close(out, norm._normalize(strided + delta))
+    torch.testing.assert_close(out, rms_norm(strided + delta, norm.weight, norm.eps))

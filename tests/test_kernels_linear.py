@@ -1,4 +1,4 @@
-"""The CPU skinny linear kernel (kernels/cpu_linear.py) against torch's matmul, and where it is used."""
+"""The CPU skinny linear kernel (kernels/cpu_linear.py) against torch's matmul, and where the CPU backend uses it."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import shutil
 import pytest
 import torch
 
-from pagedserve.engine.models.layers import linear
-from pagedserve.kernels import cpu_linear
-from pagedserve.kernels.cpu_linear import MAX_ROWS, MIN_ROWS, SkinnyLinear, skinny_linear_for, skinny_linear_kernel
+from pagedserve.kernels.cpu_backend import CpuBackend
+from pagedserve.kernels.cpu_linear import MAX_ROWS, MIN_ROWS, SkinnyLinear, skinny_linear_applies, skinny_linear_kernel
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -50,28 +49,31 @@ def test_token_major_and_padded_inputs(kernel: SkinnyLinear) -> None:
 
 def test_applies_only_to_float32_cpu_batches_in_range() -> None:
     weight = torch.randn(8, 8)
-    assert skinny_linear_for(torch.randn(MIN_ROWS, 8), weight) is not None
-    assert skinny_linear_for(torch.randn(MAX_ROWS, 8), weight) is not None
-    assert skinny_linear_for(torch.randn(MIN_ROWS - 1, 8), weight) is None
-    assert skinny_linear_for(torch.randn(MAX_ROWS + 1, 8), weight) is None
-    assert skinny_linear_for(torch.randn(16, 8, dtype=torch.bfloat16), weight.bfloat16()) is None
-    assert skinny_linear_for(torch.randn(16, 8, requires_grad=True), weight) is None
+    assert skinny_linear_applies(torch.randn(MIN_ROWS, 8), weight)
+    assert skinny_linear_applies(torch.randn(MAX_ROWS, 8), weight)
+    assert not skinny_linear_applies(torch.randn(MIN_ROWS - 1, 8), weight)
+    assert not skinny_linear_applies(torch.randn(MAX_ROWS + 1, 8), weight)
+    assert not skinny_linear_applies(torch.randn(16, 8, dtype=torch.bfloat16), weight.bfloat16())
+    assert not skinny_linear_applies(torch.randn(16, 8, requires_grad=True), weight)
 
 
-def test_linear_layer_routes_decode_batches_through_it(kernel: SkinnyLinear, monkeypatch) -> None:
+def test_cpu_backend_routes_decode_batches_through_it(kernel: SkinnyLinear) -> None:
     calls: list[int] = []
 
     def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         calls.append(x.shape[0])
         return kernel(x, weight, bias)
 
-    monkeypatch.setattr(cpu_linear, "skinny_linear_kernel", lambda: counted)
+    backend = CpuBackend()
+    assert backend.skinny_linear is kernel
+    backend.skinny_linear = counted
     x = torch.randn(16, 32)
     weight, bias = torch.randn(48, 32), torch.randn(48)
     torch.testing.assert_close(
-        linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4
+        backend.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4
     )  # float32 sums of up to 576 terms, in another order
-    linear(torch.randn(MAX_ROWS + 1, 32), weight, bias)  # past the kernel's range: torch's matmul
+    backend.linear(torch.randn(MAX_ROWS + 1, 32), weight, bias)  # past the kernel's range: torch's matmul
+    CpuBackend(native=False).linear(x, weight, bias)
     assert calls == [16]
 
 

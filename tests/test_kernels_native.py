@@ -1,4 +1,4 @@
-"""The native CPU decode-attention kernel: against the reference, inside the torch backend, and its build."""
+"""The native CPU decode-attention kernel: against the reference, inside the CPU backend, and its build."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_layer_ops, cpu_linear, cpu_native
+from pagedserve.kernels.cpu_attention import NATIVE_PREFILL_MAX_LEN
+from pagedserve.kernels.cpu_backend import CpuBackend
 from pagedserve.kernels.metadata import AttentionMetadata
-from pagedserve.kernels.torch_backend import NATIVE_PREFILL_MAX_LEN, TorchBackend
 from pagedserve.kernels.torch_reference import paged_attention_reference, write_kv_reference
 from tests.kernel_cases import MIXED_BATCHES, make_paged_case
 
@@ -85,7 +86,7 @@ def test_head_dims_the_kernel_cannot_vectorise_take_the_torch_path(kernel) -> No
     write_kv_reference(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
     with pytest.raises(ValueError, match="head_dim 36"):
         _decode_all(kernel, case, [0, 1], [0, 1])
-    backend = TorchBackend(native=True)
+    backend = CpuBackend(native=True)
     metadata = backend.prepare(
         AttentionMetadata.from_tensors(case.block_tables, case.seq_lens, case.query_start_loc, case.k_cache.shape[1])
     )
@@ -101,7 +102,7 @@ def test_backend_with_and_without_native_decode_agree(kernel, seq_lens, query_le
     case = make_paged_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3)
     write_kv_reference(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
     outputs = []
-    for backend in (TorchBackend(native=True), TorchBackend(native=False)):
+    for backend in (CpuBackend(native=True), CpuBackend(native=False)):
         metadata = AttentionMetadata.from_tensors(
             case.block_tables, case.seq_lens, case.query_start_loc, case.k_cache.shape[1]
         )
@@ -109,7 +110,7 @@ def test_backend_with_and_without_native_decode_agree(kernel, seq_lens, query_le
         strided_query = case.query.flatten(1).t().contiguous().t().view_as(case.query)
         plan = backend.prepare(metadata)
         outputs.append(backend.paged_attention(strided_query, case.k_cache, case.v_cache, plan, case.scale))
-    assert TorchBackend(native=True).native_decode is not None
+    assert CpuBackend(native=True).native_decode is not None
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
 
 
@@ -118,7 +119,7 @@ def test_short_prefills_go_to_the_kernel_row_by_row_and_long_ones_to_sdpa(kernel
     seq_lens, query_lens = [NATIVE_PREFILL_MAX_LEN + 20, 60, 30, 45], [40, 60, 1, 12]
     case = make_paged_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3)
     write_kv_reference(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
-    backend = TorchBackend(native=True)
+    backend = CpuBackend(native=True)
     metadata = backend.prepare(
         AttentionMetadata.from_tensors(case.block_tables, case.seq_lens, case.query_start_loc, case.k_cache.shape[1])
     )
@@ -166,9 +167,9 @@ def test_without_a_working_compiler_the_torch_path_runs(fresh_build, monkeypatch
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     with caplog.at_level(logging.WARNING, logger="pagedserve.kernels.cpu_native"):
         assert cpu_native.decode_attention_kernel() is None
-    assert "using the torch path" in caplog.text
-    backend = TorchBackend()
-    assert backend.native_decode is None
+    assert "using the slower torch path" in caplog.text
+    backend = CpuBackend()
+    assert backend.native_decode is None and backend.layer_ops is None and backend.skinny_linear is None
     case = make_paged_case([30, 5], [1, 1])
     metadata = AttentionMetadata.from_tensors(case.block_tables, case.seq_lens, case.query_start_loc, 16)
     out = backend.paged_attention(case.query, case.k_cache, case.v_cache, backend.prepare(metadata), case.scale)
@@ -231,5 +232,5 @@ def test_write_kv_kernel_declines_what_it_cannot_read() -> None:
     assert not write_kv(heads_swapped, heads_swapped, case.k_cache, case.v_cache, case.slot_mapping)
     expected_k, expected_v = case.k_cache.clone(), case.v_cache.clone()
     write_kv_reference(heads_swapped, heads_swapped, expected_k, expected_v, case.slot_mapping)
-    TorchBackend().write_kv(heads_swapped, heads_swapped, case.k_cache, case.v_cache, case.slot_mapping)
+    CpuBackend().write_kv(heads_swapped, heads_swapped, case.k_cache, case.v_cache, case.slot_mapping)
     assert torch.equal(case.k_cache, expected_k) and torch.equal(case.v_cache, expected_v)

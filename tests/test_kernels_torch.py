@@ -1,4 +1,4 @@
-"""The torch backend against the reference implementation and dense attention."""
+"""The CPU backend against the reference implementation and dense attention."""
 
 from __future__ import annotations
 
@@ -40,15 +40,15 @@ def test_reference_equals_dense_attention_on_contiguous_kv() -> None:
 @pytest.mark.parametrize("seq_lens,query_lens", MIXED_BATCHES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2), (8, 1)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_torch_backend_matches_reference(seq_lens, query_lens, num_heads, num_kv_heads, block_size) -> None:
+def test_cpu_backend_matches_reference(seq_lens, query_lens, num_heads, num_kv_heads, block_size) -> None:
     case = make_paged_case(seq_lens, query_lens, num_heads, num_kv_heads, block_size=block_size)
     ref_k, ref_v = case.k_cache.clone(), case.v_cache.clone()
     write_kv_reference(case.key, case.value, ref_k, ref_v, case.slot_mapping)
-    kernels.write_kv(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping, backend="torch")
+    kernels.write_kv(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping, backend="cpu")
     assert torch.equal(case.k_cache, ref_k) and torch.equal(case.v_cache, ref_v)
 
     args = (case.block_tables, case.seq_lens, case.query_start_loc, case.scale)
-    out = kernels.paged_attention(case.query, case.k_cache, case.v_cache, *args, backend="torch")
+    out = kernels.paged_attention(case.query, case.k_cache, case.v_cache, *args, backend="cpu")
     expected = paged_attention_reference(case.query, ref_k, ref_v, *args)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
@@ -58,7 +58,7 @@ def test_write_kv_skips_negative_slots() -> None:
     before_k = case.k_cache.clone()
     slots = case.slot_mapping.clone()
     slots[1] = -1
-    kernels.write_kv(case.key, case.value, case.k_cache, case.v_cache, slots, backend="torch")
+    kernels.write_kv(case.key, case.value, case.k_cache, case.v_cache, slots, backend="cpu")
     block, offset = divmod(int(case.slot_mapping[1]), case.k_cache.shape[1])
     assert torch.equal(case.k_cache[block, offset], before_k[block, offset])
     block, offset = divmod(int(slots[0]), case.k_cache.shape[1])
@@ -84,11 +84,17 @@ def test_dense_attention_is_causal() -> None:
     torch.testing.assert_close(dense_causal_attention(q, k2, v, 1.0)[0], out[0])
 
 
-def test_auto_backend_is_torch_on_cpu() -> None:
-    assert kernels.resolve_backend_name("auto", torch.device("cpu")) == "torch"
+def test_auto_backend_is_cpu_on_cpu() -> None:
+    assert kernels.resolve_backend_name("auto", torch.device("cpu")) == "cpu"
     assert kernels.resolve_backend_name("auto", torch.device("cuda")) == "triton"
     with pytest.raises(ValueError, match="attention_backend"):
         kernels.resolve_backend_name("flash", torch.device("cpu"))
+
+
+def test_torch_is_a_deprecated_name_of_the_cpu_backend() -> None:
+    """Configs written before the rename keep working."""
+    assert kernels.resolve_backend_name("torch", torch.device("cpu")) == "cpu"
+    assert kernels.get_backend("torch").name == "cpu"
 
 
 def test_many_decodes_of_different_lengths_are_grouped_correctly() -> None:
@@ -97,6 +103,6 @@ def test_many_decodes_of_different_lengths_are_grouped_correctly() -> None:
     query_lens = [1] * 40 + [12]
     case = make_paged_case(seq_lens, query_lens, num_heads=6, num_kv_heads=2, block_size=16)
     args = (case.block_tables, case.seq_lens, case.query_start_loc, case.scale)
-    out = kernels.paged_attention(case.query, case.k_cache, case.v_cache, *args, backend="torch")
+    out = kernels.paged_attention(case.query, case.k_cache, case.v_cache, *args, backend="cpu")
     expected = paged_attention_reference(case.query, case.k_cache, case.v_cache, *args)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

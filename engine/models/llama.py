@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
-Inputs are one flat batch of tokens from many sequences; attention goes through the kernel backend, which
-writes each layer's new keys/values into its cache blocks and attends over the blocks of each sequence.
+Inputs are one flat batch of tokens from many sequences. All arithmetic goes through the kernel backend: it
+writes each layer's new keys/values into its cache blocks, attends over the blocks of each sequence, and runs
+the projections, norms and activations.
 """
 
 from __future__ import annotations
@@ -12,33 +13,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.engine.models.layers import (
-    GatedMLP,
-    Linear,
-    RMSNorm,
-    RotaryAngles,
-    RotaryEmbedding,
-    in_linear_output_layout,
-    linear,
-)
+from pagedserve.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from pagedserve.engine.models.spec import ModelSpec
-from pagedserve.kernels import AttentionBackend, AttentionMetadata
+from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, backend: KernelBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=False)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.rotary = rotary
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, backend=backend)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=False, backend=backend)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
         self.backend = backend
         self.kv_cache: KVCache | None = None
 
@@ -49,7 +41,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(angles, q, k)
+        q, k = self.backend.rotary(angles, q, k)
         assert self.kv_cache is not None, "bind_kv_caches() before the first forward"
         k_cache, v_cache = self.kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
@@ -58,12 +50,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, backend: KernelBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = LlamaAttention(spec, rotary, backend)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        self.self_attn = LlamaAttention(spec, backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, backend)
 
     def forward(
         self, angles: RotaryAngles, hidden: torch.Tensor, residual: torch.Tensor | None, metadata: AttentionMetadata
@@ -80,14 +72,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, hf_config: Any, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, spec: ModelSpec, hf_config: Any, backend: KernelBackend, max_positions: int) -> None:
         super().__init__()
         self.spec = spec
-        self.rotary = rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_parameters, hf_config)
+        self.backend = backend
+        self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_parameters, hf_config)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, rotary, backend) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, backend) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        self.lm_head = (
+            None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False, backend=backend)
+        )
 
     def bind_kv_caches(self, caches: list[KVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
@@ -96,7 +91,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of the flat batch input_ids [T] at positions [T]."""
-        hidden = in_linear_output_layout(self.embed_tokens(input_ids))
+        hidden = self.backend.in_linear_output_layout(self.embed_tokens(input_ids))
         angles = self.rotary.angles(positions)
         residual = None
         for layer in self.layers:
@@ -106,7 +101,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).contiguous()  # the sampler reduces over the vocabulary: keep it dense
+        # The sampler reduces over the vocabulary: keep the logits dense, whatever layout linear returns.
+        return self.backend.linear(hidden, weight).contiguous()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads transformers-named tensors, fusing q/k/v and gate/up as they arrive."""

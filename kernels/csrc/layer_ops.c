@@ -8,7 +8,7 @@
  *
  * Layouts. An activation is a [tokens, features] matrix stored one of two ways: token-major (a token's
  * features contiguous, the usual row-major tensor) or feature-major (a feature's tokens contiguous: the
- * transposed view the CPU linear layer returns for small batches, see engine/models/layers.py). Every
+ * transposed view the CPU linear returns for small batches, see kernels/cpu_backend.py). Every
  * function takes `token_stride` and `feature_stride`, one of which is 1, and loops so that the inner loop
  * runs over contiguous memory either way.
  *

@@ -7,7 +7,7 @@
  * only large operand. This kernel reads each weight row from memory once a call (later token columns find
  * it in cache) and keeps a tile of outputs in registers.
  *
- * Layout: activations are feature-major (the transposed view engine/models/layers.py passes between the
+ * Layout: activations are feature-major (the transposed view kernels/cpu_backend.py passes between the
  * CPU ops for small batches): xt is [K, M], one row per input feature, `ldx` floats apart; out is [N, M],
  * `ldo` floats apart. W is [N, K], contiguous (nn.Linear's weight).
  *

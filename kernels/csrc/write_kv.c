@@ -2,7 +2,7 @@
  * Writes a step's new keys and values into their slots of the paged KV cache, float32, for the CPU backend.
  *
  * torch's index_copy_ takes the same arguments, but the keys and values are strided views of the fused qkv
- * projection's output (feature-major at decode sizes, see engine/models/layers.py), which sends it down a
+ * projection's output (feature-major at decode sizes, see kernels/cpu_backend.py), which sends it down a
  * generic element-by-element path: a few hundred microseconds a layer at a 64-token decode step, for 100 KB.
  * This is a plain copy, on the calling thread: at decode sizes handing work to a second one costs more.
  *

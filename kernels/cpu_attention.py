@@ -1,13 +1,10 @@
-"""CPU backend: the kernel contract in vectorised torch, with native kernels for float32.
+"""The CPU backend's attention plan, and its torch paths for what the native kernel does not take.
 
-The native attention kernel (kernels/cpu_native.py) reads the cache blocks in place and takes one query row
-at a time over the tokens before it: every decode token, and the rows of prefill chunks whose sequence is
-short enough that this beats SDPA's flash kernel (NATIVE_PREFILL_MAX_LEN). New keys and values go into the
-cache through another (torch's index_copy_ is slow on the strided views the projections leave them in).
-Where the kernel cannot run (no C compiler, another dtype) decode sequences are sorted by length and
-attended in groups of similar length, one gather and one batched SDPA call per group, so little work goes to
-padding. Other prefill chunks are attended one at a time with SDPA, which is a loop over sequences, never
-over tokens. The plan is made once per step and shared by all layers.
+The plan is made once per step and shared by all layers. It splits the batch into the native kernel's work,
+one query row at a time (every decode token, and the rows of prefill chunks whose sequence is short enough
+that this beats SDPA's flash kernel: NATIVE_PREFILL_MAX_LEN), and the torch paths: decode sequences sorted by
+length and attended in groups of similar length, one gather and one batched SDPA call per group, so little
+work goes to padding; other prefill chunks one at a time with SDPA, a loop over sequences, never over tokens.
 """
 
 from __future__ import annotations
@@ -18,14 +15,6 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.backend import AttentionBackend
-from pagedserve.kernels.cpu_native import (
-    VECTOR_LANES,
-    DecodeAttention,
-    WriteKV,
-    decode_attention_kernel,
-    write_kv_kernel,
-)
 from pagedserve.kernels.metadata import AttentionMetadata
 
 DECODE_GROUP_SIZE = 16  # decode sequences per batched call: bounds padding to the group's longest
@@ -71,7 +60,7 @@ class _NativeRows:
 
 
 @dataclass
-class _TorchPlan:
+class AttentionPlan:
     metadata: AttentionMetadata = field(repr=False)
     starts: list[int]  # query_start_loc on the host
     decode_seqs: list[int]  # sequences with one new token, shortest first
@@ -114,84 +103,7 @@ class _TorchPlan:
         ]
 
 
-class TorchBackend(AttentionBackend):
-    name = "torch"
-
-    def __init__(self, native: bool = True) -> None:
-        """native=False keeps decode on the gather + SDPA path (the oracle the native kernel is tested against)."""
-        self.native_decode: DecodeAttention | None = decode_attention_kernel() if native else None
-        self.native_write_kv: WriteKV | None = write_kv_kernel() if native else None
-
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        if self.native_write_kv is not None and self.native_write_kv(key, value, k_cache, v_cache, slot_mapping):
-            return
-        slots = slot_mapping.long()
-        valid = slots >= 0
-        if not bool(valid.all()):
-            slots, key, value = slots[valid], key[valid], value[valid]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
-
-    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
-        metadata.plan = _plan(metadata)
-        return metadata
-
-    def paged_attention(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        plan: _TorchPlan = metadata.plan if metadata.plan is not None else _plan(metadata)
-        # Contiguous, whatever layout the projections left the query in: the native kernel reads raw rows.
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        prefills = plan.prefills
-        if self._runs_natively(query, k_cache, v_cache):
-            prefills = plan.sdpa_prefills
-            work = plan.native_rows
-            if work.query_rows.numel():
-                assert self.native_decode is not None
-                self.native_decode(
-                    out,
-                    query.contiguous(),
-                    k_cache,
-                    v_cache,
-                    metadata.block_tables,
-                    work.context_lens,
-                    work.seq_ids,
-                    work.query_rows,
-                    scale,
-                )
-        else:
-            for group in plan.decode_groups:
-                decoded = _decode_attention(query[group.rows], k_cache, v_cache, group, scale)
-                out.index_copy_(0, group.rows, decoded)
-        for piece in prefills:
-            out[piece.query_begin : piece.query_end] = _prefill_attention(
-                query[piece.query_begin : piece.query_end], k_cache, v_cache, piece, scale
-            )
-        return out
-
-    def _runs_natively(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        caches_fit = k_cache.is_contiguous() and v_cache.is_contiguous()
-        return (
-            self.native_decode is not None
-            and caches_fit
-            and query.shape[-1] % VECTOR_LANES == 0
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (query, k_cache, v_cache))
-        )
-
-
-def _plan(metadata: AttentionMetadata) -> _TorchPlan:
+def plan_attention(metadata: AttentionMetadata) -> AttentionPlan:
     starts = [0]
     for n in metadata.query_lens_host:
         starts.append(starts[-1] + n)
@@ -199,7 +111,7 @@ def _plan(metadata: AttentionMetadata) -> _TorchPlan:
         (i for i, n in enumerate(metadata.query_lens_host) if n == 1), key=lambda i: metadata.seq_lens_host[i]
     )
     prefills = [_prefill_slice(metadata, seq, starts) for seq, n in enumerate(metadata.query_lens_host) if n > 1]
-    return _TorchPlan(metadata, starts, decode_seqs, prefills)
+    return AttentionPlan(metadata, starts, decode_seqs, prefills)
 
 
 def _decode_group(metadata: AttentionMetadata, seqs: list[int], starts: list[int]) -> _DecodeGroup:
@@ -221,7 +133,7 @@ def _prefill_slice(metadata: AttentionMetadata, seq: int, starts: list[int]) -> 
     return _PrefillSlice(seq, starts[seq], starts[seq + 1], seq_len, blocks)
 
 
-def _decode_attention(
+def decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup, scale: float
 ) -> torch.Tensor:
     """query [B, H, D] -> [B, H, D]: one new token per sequence over its padded, masked context."""
@@ -235,7 +147,7 @@ def _decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _prefill_attention(
+def prefill_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, piece: _PrefillSlice, scale: float
 ) -> torch.Tensor:
     """query [q, H, D], the last q positions of a sequence of piece.seq_len tokens -> [q, H, D]."""
