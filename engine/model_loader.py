@@ -1,4 +1,4 @@
-"""Builds the model, its tokenizer and its KV cache size from an EngineConfig."""
+"""Builds the model and its tokenizer from an EngineConfig (the KV cache is sized in kv_sizing)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,13 @@ import torch
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.kv_sizing import model_len_limit
 from pagedserve.engine.loader import iter_safetensors, resolve_model_dir
 from pagedserve.engine.models import LlamaForCausalLM, ModelSpec
 from pagedserve.engine.tokenizer import eos_token_ids, load_tokenizer
-from pagedserve.kernels import AttentionBackend, get_backend
+from pagedserve.kernels import KernelBackend, get_backend
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of the embedded model in float32
-MAX_DEFAULT_MODEL_LEN = 8192
 
 
 @dataclass
@@ -32,7 +30,7 @@ class LoadedModel:
     model: LlamaForCausalLM
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
-    backend: AttentionBackend
+    backend: KernelBackend
     device: torch.device
     dtype: torch.dtype
 
@@ -85,29 +83,3 @@ def load_model(config: EngineConfig) -> LoadedModel:
         device=device,
         dtype=dtype,
     )
-
-
-def model_len_limit(spec: ModelSpec) -> int:
-    limit = spec.max_position_embeddings
-    if spec.sliding_window is not None:
-        limit = min(limit, spec.sliding_window)  # we attend to the whole context, so stay inside the window
-    return limit
-
-
-def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
-    limit = model_len_limit(spec)
-    if config.max_model_len is None:
-        return min(limit, MAX_DEFAULT_MODEL_LEN)
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens")
-    return config.max_model_len
-
-
-def kv_cache_budget(config: EngineConfig, device: torch.device, profile_peak_bytes: int | None) -> int:
-    """Bytes for the KV cache: explicit, or what the GPU has left after a profiling pass, or a CPU default."""
-    if config.kv_cache_memory is not None:
-        return config.kv_cache_memory
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        return max(0, int(total * config.gpu_memory_utilization) - (profile_peak_bytes or 0))
-    return DEFAULT_CPU_KV_CACHE_BYTES

@@ -10,9 +10,10 @@ import torch
 
 from pagedserve.engine.cuda_graphs import Capture, DecodeGraphs
 from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.kv_sizing import kv_cache_shape
 from pagedserve.engine.models import KVCache, LlamaForCausalLM, ModelSpec
 from pagedserve.engine.scheduler import ScheduledRequest
-from pagedserve.kernels import AttentionBackend, AttentionMetadata
+from pagedserve.kernels import AttentionMetadata, KernelBackend
 
 
 @dataclass
@@ -26,23 +27,19 @@ class StepInputs:
 def allocate_kv_caches(
     spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[KVCache]:
-    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    """Zeroed K and V caches of every layer, in the layout kv_sizing counts bytes for."""
+    shape = kv_cache_shape(spec, num_blocks, block_size)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(spec.num_layers)
     ]
 
 
-def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element
-
-
 class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        backend: AttentionBackend,
+        backend: KernelBackend,
         kv_manager: KVCacheManager,
         kv_caches: list[KVCache],
         device: torch.device,

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.parallel_sampling import PendingForks
 from pagedserve.engine.request import Request, RequestStatus
 
 
@@ -64,7 +65,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # n > 1: the first sample computes the prompt; its siblings wait here and fork from it at its first token.
-        self.forks: dict[str, list[Request]] = {}
+        self.forks = PendingForks()
         self.num_preemptions = 0
 
     @property
@@ -100,8 +101,7 @@ class Scheduler:
             self.requests[request.request_id] = request
         leader, siblings = requests[0], requests[1:]
         self.waiting.append(leader)
-        if siblings:
-            self.forks[leader.request_id] = siblings
+        self.forks.add(leader, siblings)
 
     def _check_fits(self, request: Request) -> None:
         if request.num_prompt_tokens >= self.max_model_len:
@@ -150,7 +150,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if len(self.running) + 1 + len(self.forks.get(request.request_id, ())) > self.max_num_seqs:
+            if len(self.running) + self.forks.seats_needed(request) > self.max_num_seqs:
                 break
             hits, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
@@ -168,7 +168,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advances computed tokens, appends sampled tokens, finishes requests that hit a token-level stop.
 
-        `sampled` also holds the first tokens of siblings that fork this step (see `pending_forks`).
+        `sampled` also holds the first tokens of siblings that fork this step (see `PendingForks.pending`).
         Returns the requests that received a token this step.
         """
         progressed = []
@@ -178,7 +178,7 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None or request.is_finished:
                 continue
-            forking = bool(self.pending_forks(request))
+            forking = bool(self.forks.pending(request))
             request.append_output_token(token)
             progressed.append(request)
             if forking:  # before the leader may finish and free the blocks its siblings share
@@ -188,15 +188,9 @@ class Scheduler:
                 self.finish(request.request_id, status)
         return progressed
 
-    def pending_forks(self, request: Request) -> list[Request]:
-        """The siblings that fork from `request` when it samples its first token this step."""
-        if request.num_output_tokens > 0:
-            return []
-        return self.forks.get(request.request_id, [])
-
     def fork(self, leader: Request, token_ids: dict[str, int]) -> list[Request]:
         """Starts the leader's siblings on its computed prompt blocks, each with its own first token."""
-        siblings = self.forks.pop(leader.request_id, [])
+        siblings = self.forks.pop(leader)
         now = time.monotonic()
         for child in siblings:
             self.kv.fork(leader, child)
@@ -232,22 +226,10 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._forget_fork(request)
+        successor = self.forks.forget(request)
+        if successor is not None:  # a leader ended before its siblings forked: one of them takes the prompt
+            self.waiting.appendleft(successor)
         request.status = status
         request.times.finished = time.monotonic()
         self.kv.free(request)
         return request
-
-    def _forget_fork(self, request: Request) -> None:
-        """An ending leader hands its unforked siblings to the queue; an ending sibling leaves its group."""
-        siblings = self.forks.pop(request.request_id, None)
-        if siblings:
-            self.waiting.appendleft(siblings[0])
-            if siblings[1:]:
-                self.forks[siblings[0].request_id] = siblings[1:]
-        for leader_id, group in self.forks.items():
-            if request in group:
-                group.remove(request)
-                if not group:
-                    del self.forks[leader_id]
-                break
