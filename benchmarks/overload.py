@@ -24,9 +24,9 @@ import httpx
 
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.server import ServerSettings, create_app
-from pagedserve.server.background import BackgroundServer
 from pagedserve.server.engine_args import add_engine_args, engine_config
 from pagedserve.server.logs import request_logger
+from tests.background import BackgroundServer
 
 MODEL = "overload"
 TARGET_P99_MS = 50.0
@@ -105,7 +105,7 @@ def main() -> None:
     try:
         with BackgroundServer(create_app(engine, ServerSettings([MODEL]))) as server:
             num_holders = config.max_num_seqs + config.max_queue_len
-            max_tokens = engine.engine.max_model_len
+            max_tokens = engine.limits.max_model_len
             client_side, others = asyncio.run(measure(server.url, num_holders, max_tokens, args.probes))
     finally:
         engine.shutdown()

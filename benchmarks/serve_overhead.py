@@ -30,8 +30,8 @@ import httpx
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.async_stream import EngineObserver
 from pagedserve.server import ServerSettings, create_app
-from pagedserve.server.background import BackgroundServer
 from pagedserve.server.engine_args import add_engine_args, engine_config
+from tests.background import BackgroundServer
 
 MODEL = "bench"
 TTFT_OVERHEAD_TARGET_MS = 15.0
@@ -127,7 +127,7 @@ def main() -> None:
     if not engine.wait_ready():
         sys.exit(f"the engine failed to load: {engine.unavailable_reason()}")
     rng = random.Random(0)  # a fresh prompt per run: no prefix-cache hits
-    vocab = engine.engine.vocab_size
+    vocab = engine.limits.vocab_size
     try:
         app = create_app(engine, ServerSettings([MODEL]))
         with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=600) as client:

@@ -28,8 +28,8 @@ import psutil
 
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.server import ServerSettings, create_app
-from pagedserve.server.background import BackgroundServer
 from pagedserve.server.engine_args import add_engine_args, engine_config
+from tests.background import BackgroundServer
 
 MODEL = "soak"
 WORDS = ["the", "a", "cat", "sat", "on", "mat", "and", "then", "it", "ran", "far", "away", "to", "find", "tea"]
@@ -142,7 +142,7 @@ async def client_loop(url: str, seed: int, deadline: float, hang_up_share: float
 
 def wait_idle(engine: AsyncEngine, timeout: float = IDLE_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
-    while engine.engine.num_unfinished_requests and time.monotonic() < deadline:
+    while engine.snapshot().num_unfinished and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.1)  # the engine thread publishes its snapshot after the last delta
 
@@ -168,10 +168,10 @@ def soak(
     rss_after_warm_up = asyncio.run(traffic())
     report.seconds = time.monotonic() - start
     wait_idle(engine)
-    kv = engine.engine.kv
-    report.running_after = engine.engine.num_unfinished_requests
-    report.kv_usage_after = kv.usage()
-    report.lost_blocks = sum(1 for block in kv.pool.blocks if block.ref_cnt > 0)
+    snapshot = engine.snapshot()
+    report.running_after = snapshot.num_unfinished
+    report.kv_usage_after = snapshot.kv_cache_usage
+    report.lost_blocks = engine.info.num_kv_blocks - snapshot.num_free_blocks
     report.rss_growth_mb = (process.memory_info().rss - rss_after_warm_up) / 2**20
     return report
 

@@ -27,7 +27,7 @@ if not __package__:  # run as a script: import the project, not benchmarks/kerne
 
 from benchmarks.workloads import chat_prompts
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf
+from pagedserve.engine.loader import embedded_gguf_path, iter_safetensors, materialize_gguf
 
 
 @dataclass
@@ -91,17 +91,15 @@ def hf_continuous_batching(model, prompts: list[list[int]], output_len: int) -> 
 
 
 def pagedserve_run(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[Result, dict[str, float]]:
-    engine = llm.engine
-    engine.stats = type(engine.stats)()
-    engine.runner.forward_seconds = 0.0
+    llm.stats(reset=True)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    stats = engine.stats
+    stats = llm.stats()
     extra = {
-        "outside_forward": 1 - engine.runner.forward_seconds / stats.step_seconds,
+        "outside_forward": 1 - stats.forward_seconds / stats.step_seconds,
         "kv_use": stats.peak_kv_tokens / max(1, stats.peak_kv_slots),
         "peak_running": stats.peak_running,
     }
@@ -159,7 +157,7 @@ def main() -> None:
     _, extra32 = pagedserve_run(llm, prompts[:32], args.output_len)
 
     gflops = measure_matmul_gflops()
-    params = sum(p.numel() for p in llm.engine.loaded.model.parameters())
+    params = sum(t.numel() for _, t in iter_safetensors(model_dir))
     ceiling = gflops * 1e9 / (2 * params)
     print()
     for r in results[1:]:

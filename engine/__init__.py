@@ -5,10 +5,11 @@ from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.async_stream import EngineUnavailableError
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.llm import LLM
-from pagedserve.engine.llm_engine import ContextLengthError, LLMEngine
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import QueueFullError
+from pagedserve.engine.validation import ContextLengthError, RequestLimits
 
 __all__ = [
     "LLM",
@@ -19,6 +20,7 @@ __all__ = [
     "EngineUnavailableError",
     "LLMEngine",
     "QueueFullError",
+    "RequestLimits",
     "RequestOutput",
     "SamplingParams",
     "SequenceDelta",

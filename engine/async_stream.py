@@ -1,27 +1,22 @@
-"""Between AsyncEngine's callers and its thread: the inbox's commands, both ends of a request's stream (the
-engine thread's sink, the caller's RequestStream), the waiting queue's places, snapshots, observers, errors."""
+"""Both ends of a request's stream in the caller's process: the sink that AsyncEngine's reader thread fills
+from the core's outputs, and the RequestStream that the caller reads; the waiting queue's places, observers,
+errors."""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pagedserve.engine.outputs import SequenceDelta
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import QueueFullError
-
-if TYPE_CHECKING:
-    from pagedserve.engine.llm_engine import LLMEngine
 
 
 class EngineUnavailableError(RuntimeError):
-    """The engine takes no requests: it is still loading, it was shut down, or its thread died."""
+    """The engine takes no requests: it is still loading, it was shut down, or its core died."""
 
 
 class QueueTimeoutError(TimeoutError):
@@ -36,31 +31,8 @@ class RequestTimeoutError(TimeoutError):
     """The request did not finish within its timeout; it was aborted."""
 
 
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Counters published by the engine thread after every iteration, for metrics."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of blocks referenced by requests (idle cached blocks excluded)
-    prefix_cache_queries: int = 0  # tokens
-    prefix_cache_hits: int = 0  # tokens
-    num_preemptions: int = 0
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> EngineSnapshot:
-        return cls(
-            num_running=engine.scheduler.num_running,
-            num_waiting=engine.scheduler.num_waiting,
-            kv_cache_usage=engine.kv.usage(),
-            prefix_cache_queries=engine.kv.prefix_queries,
-            prefix_cache_hits=engine.kv.prefix_hits,
-            num_preemptions=engine.scheduler.num_preemptions,
-        )
-
-
 class EngineObserver:
-    """Hooks run on the engine thread after each step; keep them cheap. The server's metrics use them."""
+    """Hooks run on AsyncEngine's reader thread after each core iteration; keep them cheap (the server's metrics)."""
 
     def on_step(self, seconds: float, num_tokens: int) -> None:
         """One LLMEngine.step took `seconds` and computed `num_tokens` tokens."""
@@ -70,36 +42,8 @@ class EngineObserver:
 
 
 @dataclass
-class AddRequest:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    sink: RequestSink
-    reply: concurrent.futures.Future[None]
-
-
-@dataclass
-class AbortRequest:
-    request_id: str
-
-
-@dataclass
-class FailAll:
-    error: BaseException
-
-
-@dataclass
-class ResetPrefixCache:
-    reply: concurrent.futures.Future[int]  # how many cached blocks were forgotten
-
-
-# What callers put in the engine thread's inbox; None: stop.
-Command = AddRequest | AbortRequest | FailAll | ResetPrefixCache | None
-
-
-@dataclass
 class RequestSink:
-    """The engine thread's end of one request's stream: an asyncio queue living on `loop`, and time limits."""
+    """The reader thread's end of one request's stream: an asyncio queue living on `loop`, and time limits."""
 
     loop: asyncio.AbstractEventLoop
     num_sequences: int  # n: what the request counts against max_queue_len while it waits

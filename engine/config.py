@@ -41,9 +41,10 @@ class EngineConfig:
     max_n: int = 16
 
     # Execution
-    attention_backend: str = "auto"  # auto | triton | torch
+    attention_backend: str = "auto"  # auto | triton | cpu
     enforce_eager: bool = False  # disables CUDA graphs
     num_threads: int | None = None  # torch intra-op threads on CPU
+    engine_process: bool = True  # the engine core in a process of its own (False: a thread of the caller's)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -1,30 +1,79 @@
-"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(conversations, params)`."""
+"""The offline API: `LLM(model=...).generate(prompts, params)`, `.chat(conversations, params)` and `.stream`.
+
+It drives the same engine core as the server (engine/core.py), by default in a process of its own, so its
+throughput does not depend on what the program imported first; `engine_process=False` keeps the core on a
+thread of this process.
+"""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import time
+import weakref
+from collections.abc import Generator, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
+from pagedserve.engine.async_stream import EngineUnavailableError
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    CollectStats,
+    CoreFailed,
+    EngineInfo,
+    LogRecord,
+    Ready,
+    Reply,
+    Shutdown,
+    StepOutput,
+)
+from pagedserve.engine.core_process import CoreConnection, CoreGone, ProcessCore, ThreadCore
+from pagedserve.engine.llm_engine import EngineStats, LLMEngine
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.tokenizer import Message
+from pagedserve.engine.tokenizer import Message, PromptTokenizer
+from pagedserve.engine.validation import check_request
 
 Prompt = str | list[int]
 
 
 class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        """`config`: EngineConfig's fields (engine/config.py)."""
+        self._start(EngineConfig(model=model, **config))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> LLM:
+        """`loaded`: a model loaded in this process already, which keeps the core on a thread here."""
+        llm = cls.__new__(cls)
+        llm._start(config, loaded)
+        return llm
+
+    def _start(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self._core: CoreConnection = (
+            ProcessCore(config)
+            if config.engine_process and loaded is None
+            else ThreadCore(lambda: LLMEngine(config, loaded))
+        )
+        self._core.start()
+        self._finalizer = weakref.finalize(self, _stop_core, self._core)  # runs once: close(), collection or exit
         self._ids = itertools.count()
+        self._closed = False
+        ready = self._receive()
+        if not isinstance(ready, Ready):
+            raise EngineUnavailableError(f"unexpected first message from the engine core: {ready!r}")
+        self.info: EngineInfo = ready.info
+        self._prompts = PromptTokenizer.load(ready.info.tokenizer)
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self._prompts.hf
+
+    # ---- generation --------------------------------------------------------------------------------
 
     def generate(
         self,
@@ -32,22 +81,31 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Runs all prompts together under continuous batching; outputs come back in prompt order."""
+        """Runs all prompts together under continuous batching; outputs come back in prompt order.
+
+        Every request is checked before any starts: bad input raises ValueError and nothing runs.
+        """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
         params_list = _broadcast(sampling_params, len(prompt_list))
-        results: dict[str, RequestOutput] = {}
-        for prompt, params in zip(prompt_list, params_list):
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, prompt, params)
-            results[request_id] = RequestOutput(
-                request_id=request_id,
-                prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=self.engine.encode_prompt(prompt),
-                outputs=[CompletionOutput(index=i) for i in range(params.n)],
-            )
-        self._run(results, use_tqdm and len(prompt_list) > 1)
+        results = {
+            str(next(self._ids)): self._checked_output(prompt, params)
+            for prompt, params in zip(prompt_list, params_list)
+        }
+        bar = tqdm(total=len(results), desc="generating", unit="req", disable=not (use_tqdm and len(results) > 1))
+        try:
+            for request_id, params in zip(results, params_list):
+                self._add(request_id, results[request_id].prompt_token_ids, params)
+            for delta in self._deltas({rid: len(output.outputs) for rid, output in results.items()}):
+                output = results[delta.request_id]
+                output.outputs[delta.index].extend(delta)
+                if delta.finished:
+                    output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
+                    if output.finished:
+                        bar.update(1)
+        finally:
+            bar.close()
         return list(results.values())
 
     def chat(
@@ -58,28 +116,94 @@ class LLM:
     ) -> list[RequestOutput]:
         """Applies the chat template to one conversation or a list of them, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.encode_chat(conv) for conv in conversations]  # type: ignore[arg-type]
+        prompts = [self.encode_chat(conv) for conv in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, results: dict[str, RequestOutput], show_progress: bool) -> None:
-        pending = len(results)
-        bar = tqdm(total=pending, desc="generating", unit="req", disable=not show_progress)
+    def stream(self, prompt: Prompt, params: SamplingParams) -> Generator[SequenceDelta, None, None]:
+        """One request's deltas as they come (its n sequences interleaved). Closing the iterator aborts it."""
+        request_id = str(next(self._ids))
+        output = self._checked_output(prompt, params)
+        self._add(request_id, output.prompt_token_ids, params)
+        yield from self._deltas({request_id: params.n})
+
+    def encode_chat(self, messages: list[Message]) -> list[int]:
+        return self._prompts.encode_chat(messages)
+
+    def stats(self, reset: bool = False) -> EngineStats:
+        """The core's cumulative counters (steps, tokens, time in the model), optionally starting them anew."""
+        self._core.send(CollectStats(reply_id=0, reset=reset))
+        while not isinstance(reply := self._receive(), Reply):
+            pass  # the last outputs of an earlier, abandoned generation
+        return reply.value  # type: ignore[return-value]
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Ends the engine core (a process of its own by default). Also when the LLM is collected, at exit,
+        and at the end of `with LLM(...) as llm:`."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the core ----------------------------------------------------------------------------------
+
+    def _checked_output(self, prompt: Prompt, params: SamplingParams) -> RequestOutput:
+        token_ids = self._prompts.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        check_request(self.info.limits, token_ids, params)
+        return RequestOutput(
+            request_id="",
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=token_ids,
+            outputs=[CompletionOutput(index=i) for i in range(params.n)],
+        )
+
+    def _add(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        self._core.send(AddRequest(request_id, token_ids, params, time.monotonic()))
+
+    def _deltas(self, sequences: dict[str, int]) -> Generator[SequenceDelta, None, None]:
+        """Deltas of these requests (id -> n) until all finish; aborts what is left if the caller stops early."""
+        left = dict(sequences)
         try:
-            while pending:
-                for delta in self.engine.step():
-                    output = results.get(delta.request_id)
-                    if output is None:
+            while left:
+                out = self._receive()
+                if not isinstance(out, StepOutput):
+                    continue
+                for request_id, why in out.rejected:
+                    if request_id in left:
+                        raise ValueError(why)
+                for delta in out.deltas:
+                    if delta.request_id not in left:
                         continue
-                    output.outputs[delta.index].extend(delta)
                     if delta.finished:
-                        output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
-                        if output.finished:
-                            pending -= 1
-                            bar.update(1)
+                        left[delta.request_id] -= 1
+                        if not left[delta.request_id]:
+                            del left[delta.request_id]
+                    yield delta
         finally:
-            bar.close()
-            for request_id in results:
-                self.engine.abort_request(request_id)  # interrupted: leave no blocks behind
+            if left and not self._closed:
+                self._core.send(AbortRequests(sorted(left)))
+
+    def _receive(self) -> Ready | StepOutput | Reply:
+        try:
+            message = self._core.receive()
+        except CoreGone as exc:
+            self._closed = True
+            raise EngineUnavailableError(str(exc)) from None
+        if isinstance(message, CoreFailed):
+            self._closed = True
+            raise EngineUnavailableError(message.reason)
+        assert not isinstance(message, LogRecord), "the transport handles log records"
+        return message
+
+
+def _stop_core(core: CoreConnection) -> None:
+    core.send(Shutdown())
+    core.join(30.0)
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

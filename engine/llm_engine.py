@@ -1,7 +1,8 @@
-"""LLMEngine: requests in, per-step token deltas out. Synchronous; the async engine drives it in a thread."""
+"""LLMEngine: requests in, per-step token deltas out. Synchronous; the engine core (engine/core.py) drives it."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -11,31 +12,22 @@ import torch
 
 from pagedserve.engine import openmp_policy
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core_messages import EngineSnapshot
 from pagedserve.engine.cuda_graphs import cuda_graph_capture, graph_batch_sizes
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.kv_cache_manager import KVCacheManager
-from pagedserve.engine.model_loader import LoadedModel, kv_cache_budget, load_model, resolve_max_model_len
-from pagedserve.engine.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+from pagedserve.engine.kv_sizing import plan_kv_cache
+from pagedserve.engine.model_loader import LoadedModel, load_model
+from pagedserve.engine.model_runner import ModelRunner, allocate_kv_caches
 from pagedserve.engine.outputs import RequestMetrics, SequenceDelta, TokenLogprob
+from pagedserve.engine.parallel_sampling import RequestGroups, expand_logits, make_samples, sibling_rows
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
-from pagedserve.engine.tokenizer import Message, apply_chat_template
+from pagedserve.engine.validation import RequestLimits
 
 logger = logging.getLogger(__name__)
-
-
-class ContextLengthError(ValueError):
-    """The prompt does not fit the model's context; carries the numbers for the error message."""
-
-    def __init__(self, num_prompt_tokens: int, max_model_len: int) -> None:
-        super().__init__(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{num_prompt_tokens} tokens (at least one token must be left to generate)."
-        )
-        self.num_prompt_tokens = num_prompt_tokens
-        self.max_model_len = max_model_len
 
 
 @dataclass
@@ -49,6 +41,7 @@ class EngineStats:
     peak_kv_tokens: int = 0  # tokens held in KV at the fullest step
     peak_kv_slots: int = 0  # block slots allocated at that step
     peak_running: int = 0
+    forward_seconds: float = 0.0  # in the model's forward (the rest of step_seconds: scheduling, sampling)
 
 
 class LLMEngine:
@@ -60,20 +53,24 @@ class LLMEngine:
             torch.set_num_threads(self.config.num_threads)
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = self.loaded.spec.vocab_size
-        num_blocks = self._num_kv_blocks()
-        # A request must always fit the cache alone, or preemption could cycle forever.
-        self.max_model_len = min(
-            resolve_max_model_len(self.config, self.loaded.spec), num_blocks * self.config.block_size
+        self.kv_plan = plan = plan_kv_cache(self.config, self.loaded)
+        self.max_model_len = plan.max_model_len
+        self.limits = RequestLimits(
+            max_model_len=plan.max_model_len,
+            vocab_size=self.vocab_size,
+            max_n=self.config.max_n,
+            max_num_seqs=self.config.max_num_seqs,
+            max_logprobs=self.config.max_logprobs,
         )
         identity = f"{self.loaded.model_dir}:{self.loaded.dtype}".encode()
         self.kv = KVCacheManager(
-            num_blocks,
-            self.config.block_size,
+            plan.num_blocks,
+            plan.block_size,
             self.config.enable_prefix_caching,
             hashlib.sha256(identity).digest(),
         )
         caches = allocate_kv_caches(
-            self.loaded.spec, num_blocks, self.config.block_size, self.loaded.dtype, self.loaded.device
+            self.loaded.spec, plan.num_blocks, plan.block_size, self.loaded.dtype, self.loaded.device
         )
         self.runner = ModelRunner(self.loaded.model, self.loaded.backend, self.kv, caches, self.loaded.device)
         if self._use_cuda_graphs():
@@ -89,13 +86,13 @@ class LLMEngine:
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._children: dict[str, list[str]] = {}  # caller's id -> ids of its n sequences
+        self._children = RequestGroups()  # caller's id -> ids of its n sequences
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
-            num_blocks,
-            self.config.block_size,
-            num_blocks * self.config.block_size,
-            self.max_model_len,
+            plan.num_blocks,
+            plan.block_size,
+            plan.num_tokens,
+            plan.max_model_len,
         )
 
     def _use_cuda_graphs(self) -> bool:
@@ -106,82 +103,31 @@ class LLMEngine:
             return False
         return True
 
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        peak = None
-        if self.loaded.device.type == "cuda":
-            peak = self._profile_peak_memory()
-        budget = kv_cache_budget(self.config, self.loaded.device, peak)
-        per_block = kv_bytes_per_block(self.loaded.spec, self.config.block_size, self.loaded.dtype)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes")
-        return num_blocks
-
-    def _profile_peak_memory(self) -> int:
-        """Peak CUDA memory of a forward pass over a full token budget, on a throwaway one-block cache."""
-        from pagedserve.engine.profiling import profile_forward_peak  # CUDA only
-
-        return profile_forward_peak(self.loaded, self.config)
-
     # ---- requests in -------------------------------------------------------------------------------
-
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        return token_ids
-
-    def encode_chat(self, messages: list[Message]) -> list[int]:
-        text = apply_chat_template(self.tokenizer, messages)
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Validates and queues a request (its n samples together). Raises ValueError for bad input."""
+        """Queues a request (its n samples together). It must have passed check_request(self.limits, ...)
+        (engine/validation.py): the engine's public API (AsyncEngine, LLM) checks every request once."""
         if request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params.check_token_ids(self.vocab_size)
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
-        if params.n > self.config.max_n:
-            raise ValueError(f"n must be <= {self.config.max_n}, got {params.n}")
-        if params.n > self.config.max_num_seqs:  # a prompt's samples are seated together: it could never start
-            raise ValueError(f"n must be <= max_num_seqs ({self.config.max_num_seqs}), got {params.n}")
-        token_ids = self.encode_prompt(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise ContextLengthError(len(token_ids), self.max_model_len)
         room = self.max_model_len - len(token_ids)
-        if params.min_tokens > room:
-            raise ValueError(
-                f"min_tokens ({params.min_tokens}) does not fit: the prompt leaves room for {room} tokens "
-                f"of this model's {self.max_model_len}-token context (and KV cache)"
-            )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        children = [
-            Request(
-                request_id if params.n == 1 else f"{request_id}#{i}",
-                token_ids,
-                params,
-                max_tokens=max_tokens,
-                eos_token_ids=self.loaded.eos_token_ids,
-                seed=None if params.seed is None else params.seed + i,
-                arrival_time=arrival_time,
-                parent_id=request_id,
-                index=i,
-            )
-            for i in range(params.n)
-        ]
+        children = make_samples(
+            request_id,
+            token_ids,
+            params,
+            max_tokens=max_tokens,
+            eos_token_ids=self.loaded.eos_token_ids,
+            arrival_time=arrival_time,
+        )
         self.scheduler.add_requests(children)
-        self._children[request_id] = [c.request_id for c in children]
+        self._children.add(request_id, children)
         if params.detokenize:
             backend_tokenizer = self.tokenizer.backend_tokenizer
             for child in children:
@@ -197,6 +143,38 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._children)
+
+    def request_ids(self) -> list[str]:
+        """The callers' ids of every unfinished request."""
+        return list(self._children)
+
+    def waiting_request_ids(self) -> set[str]:
+        """Callers' ids of requests never scheduled yet (preempted ones were admitted once: not these)."""
+        return {r.parent_id for r in self.scheduler.waiting if r.status is RequestStatus.WAITING}
+
+    @property
+    def num_tokens_processed(self) -> int:
+        return self.runner.num_tokens_processed
+
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_unfinished=len(self._children),
+            queue_capacity=self.scheduler.queue_capacity(),
+            kv_cache_usage=self.kv.usage(),
+            num_free_blocks=self.kv.pool.num_free,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def collect_stats(self, reset: bool = False) -> EngineStats:
+        stats = dataclasses.replace(self.stats, forward_seconds=self.runner.forward_seconds)
+        if reset:
+            self.stats = EngineStats()
+            self.runner.forward_seconds = 0.0
+        return stats
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -218,17 +196,10 @@ class LLMEngine:
 
     def _run_and_sample(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
         logits = self.runner.execute(out.scheduled, self.kv.take_pending_copies())
-        sampling = [s.request for s in out.scheduled if s.samples]
-        rows = list(range(len(sampling)))
-        for row, request in enumerate(list(sampling)):
-            siblings = self.scheduler.pending_forks(request)  # parallel samples draw from the same logits
-            sampling.extend(siblings)
-            rows.extend([row] * len(siblings))
+        sampling, rows = sibling_rows([s.request for s in out.scheduled if s.samples], self.scheduler.forks)
         if not sampling:
             return {}
-        if len(rows) > logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        result = self.sampler(logits, sampling)
+        result = self.sampler(expand_logits(logits, rows), sampling)
         return {r.request_id: (t, lp) for r, t, lp in zip(sampling, result.token_ids, result.logprobs)}
 
     def _delta(self, request: Request, logprob: TokenLogprob | None) -> SequenceDelta:
@@ -272,15 +243,11 @@ class LLMEngine:
             num_preemptions=request.num_preemptions,
         )
         self._detokenizers.pop(request.request_id, None)
-        siblings = self._children.get(request.parent_id)
-        if siblings is not None and request.request_id in siblings:
-            siblings.remove(request.request_id)
-            if not siblings:
-                del self._children[request.parent_id]
+        self._children.discard(request)
 
     def _finish_group(self, request_id: str, status: RequestStatus, error: str | None = None) -> list[SequenceDelta]:
         deltas = []
-        for child_id in list(self._children.get(request_id, [])):
+        for child_id in self._children.members(request_id):
             request = self.scheduler.finish(child_id, status)
             if request is None:
                 continue

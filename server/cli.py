@@ -125,13 +125,20 @@ def serve_command(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=ABORT_GRACE_SECONDS,  # the drain has already run when uvicorn waits
     )
     server = DrainingServer(uvicorn_config, app.state.serving, args.shutdown_timeout)
-    engine.start()  # loads on its own thread while uvicorn starts listening: /ready says 503 until it is done
+    engine.on_death(lambda: _stop_serving(server))
+    engine.start()  # the core loads in its own process while uvicorn starts listening: /ready says 503 until then
     threading.Thread(target=_stop_if_load_fails, args=(engine, server), daemon=True).start()
     try:
         server.run()
     finally:
         engine.shutdown()
     return 0 if engine.is_healthy else 1
+
+
+def _stop_serving(server: DrainingServer) -> None:
+    """The engine core died: /health says 503 and requests in flight have failed; exit 1, to be restarted."""
+    logger.error("the engine core is gone; shutting down")
+    server.drain()
 
 
 def _stop_if_load_fails(engine: AsyncEngine, server: uvicorn.Server) -> None:

@@ -29,7 +29,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine = ctx.ready_engine()
     try:
         params = body.sampling_params()
-        prompts = [engine.encode_prompt(prompt) for prompt in body.prompts]
+        prompts = [await engine.encode_prompt(prompt) for prompt in body.prompts]
     except ValueError as exc:
         raise to_api_error(exc, "prompt") from exc
     request_id, record = request.state.request_id, request.state.record
@@ -55,7 +55,7 @@ def _echoes(engine: AsyncEngine, body: CompletionRequest, prompts: list[list[int
     """The text each choice starts with: its prompt with echo, else nothing."""
     if not body.echo:
         return [""] * len(prompts)
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer.hf
     return [p if isinstance(p, str) else decode(tokenizer, ids) for p, ids in zip(body.prompts, prompts)]
 
 

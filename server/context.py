@@ -81,7 +81,7 @@ class ServingContext:
     @property
     def token_texts(self) -> TokenTexts:
         if self._token_texts is None:
-            self._token_texts = TokenTexts(self.engine.engine.tokenizer)
+            self._token_texts = TokenTexts(self.engine.tokenizer.hf)
         return self._token_texts
 
 

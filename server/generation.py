@@ -30,7 +30,6 @@ async def start_streams(
     """One engine request per prompt, all or none: a refused prompt aborts those already started."""
     streams: Streams = []
     try:
-        check_engine_limits(engine, params)
         for index, prompt in enumerate(prompts):
             engine_id = request_id if len(prompts) == 1 else f"{request_id}/{index}"
             streams.append(await engine.generate(engine_id, prompt, params, queue_timeout))
@@ -41,16 +40,6 @@ async def start_streams(
         close_all(streams)
         raise
     return streams
-
-
-def check_engine_limits(engine: AsyncEngine, params: SamplingParams) -> None:
-    """Limits that depend on the engine's configuration, checked before the request takes queue places."""
-    max_n, max_model_len = engine.engine.config.max_n, engine.engine.max_model_len
-    if params.n > max_n:
-        raise ValueError(f"n must be <= {max_n}, got {params.n}")
-    # Up to max_model_len, max_tokens is clamped to the room the prompt leaves; beyond it, it can never fit.
-    if params.max_tokens is not None and params.max_tokens > max_model_len:
-        raise ValueError(f"max_tokens must be <= {max_model_len} (this model's context), got {params.max_tokens}")
 
 
 def close_all(streams: Streams) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from pagedserve.engine import LLMEngine, SamplingParams
+from pagedserve.engine import LLM, SamplingParams
 from pagedserve.server.engine_args import add_engine_args, engine_config
 
-REQUEST_ID = "cli"
 EXIT_WORDS = ("/exit", "/quit")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -55,19 +55,23 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def generate_command(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
-    engine = LLMEngine(engine_config(args))
-    prompt = args.prompt
-    if args.chat_template:
-        prompt = engine.encode_chat([{"role": "user", "content": prompt}])
-    stream_reply(engine, prompt, params)
+    with LLM.from_config(engine_config(args)) as llm:
+        prompt = args.prompt
+        if args.chat_template:
+            prompt = llm.encode_chat([{"role": "user", "content": prompt}])
+        stream_reply(llm, prompt, params)
     return 0
 
 
 def chat_command(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
-    engine = LLMEngine(engine_config(args))
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    print(f"chatting with {engine.loaded.model_dir.name}; {' or '.join(EXIT_WORDS)} ends", file=sys.stderr)
+    with LLM.from_config(engine_config(args)) as llm:
+        return _chat(llm, args.system, params)
+
+
+def _chat(llm: LLM, system: str | None, params: SamplingParams) -> int:
+    history = [{"role": "system", "content": system}] if system else []
+    print(f"chatting with {Path(llm.info.model_dir).name}; {' or '.join(EXIT_WORDS)} ends", file=sys.stderr)
     while True:
         try:
             line = input("\n>>> ").strip()
@@ -77,23 +81,22 @@ def chat_command(args: argparse.Namespace) -> int:
             return 0
         if line:
             history.append({"role": "user", "content": line})
-            reply = stream_reply(engine, engine.encode_chat(history), params)
+            reply = stream_reply(llm, llm.encode_chat(history), params)
             history.append({"role": "assistant", "content": reply})
 
 
-def stream_reply(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> str:
+def stream_reply(llm: LLM, prompt: str | list[int], params: SamplingParams) -> str:
     """Generates and prints as tokens come; Ctrl-C stops this reply only. Returns the text printed."""
-    engine.add_request(REQUEST_ID, prompt, params)
     pieces: list[str] = []
+    deltas = llm.stream(prompt, params)
     try:
-        while engine.has_unfinished_requests():
-            for delta in engine.step():
-                print(delta.new_text, end="", flush=True)
-                pieces.append(delta.new_text)
-                if delta.error:
-                    print(f"\n[error: {delta.error}]", file=sys.stderr)
+        for delta in deltas:
+            print(delta.new_text, end="", flush=True)
+            pieces.append(delta.new_text)
+            if delta.error:
+                print(f"\n[error: {delta.error}]", file=sys.stderr)
     except KeyboardInterrupt:
-        engine.abort_request(REQUEST_ID)
+        deltas.close()  # aborts the request
         print("\n[interrupted]", file=sys.stderr)
     print()
     return "".join(pieces)

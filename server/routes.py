@@ -19,14 +19,14 @@ router = APIRouter()
 @router.get("/v1/models", response_model=ModelList, tags=["openai"])
 async def list_models(request: Request) -> ModelList:
     ctx = serving(request)
-    max_model_len = ctx.ready_engine().engine.max_model_len
+    max_model_len = ctx.ready_engine().limits.max_model_len
     names = ctx.settings.served_model_names
     return ModelList(data=[ModelCard(id=n, created=ctx.created, max_model_len=max_model_len) for n in names])
 
 
 @router.get("/health", tags=["probes"])
 async def health(request: Request) -> JSONResponse:
-    """Liveness: fails only when the engine thread has died (loading counts as alive)."""
+    """Liveness: fails only when the engine core has died (loading counts as alive)."""
     engine = serving(request).engine
     if not engine.is_healthy:
         return JSONResponse({"status": "unhealthy", "reason": engine.unavailable_reason()}, status_code=503)
@@ -58,12 +58,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         raise invalid_request("send exactly one of prompt and messages", "invalid_value")
     try:
         if body.messages is not None:
-            tokens = engine.encode_chat([message.for_template() for message in body.messages])
+            tokens = await engine.encode_chat([message.for_template() for message in body.messages])
         else:
-            tokens = engine.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await engine.encode_prompt(body.prompt or "", add_special_tokens=body.add_special_tokens)
     except ValueError as exc:
         raise to_api_error(exc, "messages") from exc
-    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.engine.max_model_len)
+    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.limits.max_model_len)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse)
@@ -72,10 +72,10 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     if body.model is not None:
         ctx.check_model(body.model)
     engine = ctx.ready_engine()
-    vocab_size = engine.engine.vocab_size
+    vocab_size = engine.limits.vocab_size
     if any(not 0 <= token < vocab_size for token in body.tokens):
         raise invalid_request(f"tokens must be token ids in [0, {vocab_size})", "invalid_value", "tokens")
-    return DetokenizeResponse(prompt=decode(engine.engine.tokenizer, body.tokens))
+    return DetokenizeResponse(prompt=decode(engine.tokenizer.hf, body.tokens))
 
 
 @router.post("/reset_prefix_cache", tags=["admin"])

@@ -32,7 +32,11 @@ class DrainingServer(uvicorn.Server):
         if self._serving.draining:
             super().handle_exit(sig, frame)
         else:
-            self._serving.draining = True  # a signal handler only sets flags; on_tick starts the drain
+            self.drain()
+
+    def drain(self) -> None:
+        """Starts the drain; safe from a signal handler or another thread (it only sets a flag: on_tick acts)."""
+        self._serving.draining = True
 
     async def on_tick(self, counter: int) -> bool:
         if self._serving.draining and self._drain is None:

@@ -1,4 +1,4 @@
-"""A uvicorn server on a background thread: for tests and benchmarks that need a real socket."""
+"""A uvicorn server on a background thread: for tests and benchmarks that need a real socket in-process."""
 
 from __future__ import annotations
 

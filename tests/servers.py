@@ -9,7 +9,7 @@ from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, create_app
-from pagedserve.server.background import BackgroundServer
+from tests.background import BackgroundServer
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ def make_engine(smol_loaded: LoadedModel) -> Iterator[Callable[..., AsyncEngine]
 
     def make(llm: LLMEngine | None = None) -> AsyncEngine:
         llm = llm or LLMEngine(CONFIG, smol_loaded)
-        engine = AsyncEngine(lambda: llm).start()
+        engine = AsyncEngine.in_thread(lambda: llm).start()
         started.append(engine)
         assert engine.wait_ready(30)
         return engine
@@ -43,7 +43,7 @@ async def _drain(engine: AsyncEngine, request_id: str, params: SamplingParams = 
 def _wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
     """Until the engine has forgotten every request and published a snapshot saying so."""
     deadline = time.monotonic() + timeout
-    while engine.engine.num_unfinished_requests or engine.snapshot().num_running or engine.snapshot().num_waiting:
+    while engine.snapshot().num_unfinished or engine.snapshot().num_running or engine.snapshot().num_waiting:
         assert time.monotonic() < deadline, f"engine still busy: {engine.snapshot()}"
         time.sleep(0.01)
 
@@ -101,7 +101,7 @@ def test_closing_the_stream_early_aborts_every_sequence(make_engine: Callable[..
 
 def test_bad_requests_raise_before_any_delta(make_engine: Callable[..., AsyncEngine]) -> None:
     engine = make_engine()
-    too_long = list(range(10, 10 + engine.engine.max_model_len))
+    too_long = list(range(10, 10 + engine.limits.max_model_len))
 
     async def run() -> None:
         with pytest.raises(ContextLengthError):
@@ -117,7 +117,7 @@ def test_a_burst_at_an_idle_engine_fills_the_free_seats_and_the_queue(smol_loade
     """Requests that free running seats will take at the next step are no backlog: with 2 seats and a queue of
     3, an idle engine accepts 5 at once; a 6th is refused."""
     config = CONFIG.replace(max_num_seqs=2, max_queue_len=3)
-    engine = AsyncEngine(lambda: LLMEngine(config, smol_loaded)).start()
+    engine = AsyncEngine.in_thread(lambda: LLMEngine(config, smol_loaded)).start()
     long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
     try:
         assert engine.wait_ready(30)
@@ -169,7 +169,7 @@ def test_not_ready_while_loading(smol_loaded: LoadedModel) -> None:
         loaded.wait(30)
         return LLMEngine(CONFIG, smol_loaded)
 
-    engine = AsyncEngine(slow_load).start()
+    engine = AsyncEngine.in_thread(slow_load).start()
     try:
         assert not engine.is_ready and engine.is_healthy
         with pytest.raises(EngineUnavailableError, match="loading"):

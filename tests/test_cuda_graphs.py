@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedserve.engine.cuda_graphs import DecodeBuffers, eager_capture, graph_batch_sizes
 from pagedserve.engine.model_runner import StepInputs
 from pagedserve.kernels import AttentionMetadata
+from tests.test_engine import run
 
 pytest.importorskip("triton")
 
@@ -65,13 +66,12 @@ def test_decode_graphs_generate_what_eager_steps_do(tiny_model_dir) -> None:
     folder = str(tiny_model_dir("llama-hd64"))
     prompts = [list(range(100, 113)), list(range(300, 305)), list(range(50, 71))]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 5, 7)]
-    config = dict(model=folder, attention_backend="triton", num_kv_blocks=8, max_num_batched_tokens=16)
-    eager = LLM(**config)
-    graphed = LLM(**config)
-    graphed.engine.runner.capture_decode_graphs([1, 4], graphed.engine.max_model_len, eager_capture)
-    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
-    assert got == expected
-    graphs = graphed.engine.runner.decode_graphs
+    config = EngineConfig(model=folder, attention_backend="triton", num_kv_blocks=8, max_num_batched_tokens=16)
+    eager, graphed = LLMEngine(config), LLMEngine(config)
+    graphed.runner.capture_decode_graphs([1, 4], graphed.max_model_len, eager_capture)
+    requests = {str(i): (prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))}
+    expected = run(eager, requests)
+    assert run(graphed, requests) == expected
+    graphs = graphed.runner.decode_graphs
     assert graphs is not None and graphs.num_replays >= 6
-    assert graphed.engine.kv.pool.num_free == 8  # every block is back: padding rows never held one
+    assert graphed.kv.pool.num_free == 8  # every block is back: padding rows never held one

@@ -213,7 +213,8 @@ def test_dockerfile_is_multistage_nonroot_with_healthcheck() -> None:
     final = instructions[final_stage:]
     users = [rest for k, rest in final if k == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root"), "the image must run as a non-root user"
-    assert any(k == "RUN" and "python -m engine" in rest for k, rest in final), "the embedded model is not baked in"
+    baked = any(k == "RUN" and "python -m pagedserve.engine" in rest for k, rest in final)
+    assert baked, "the embedded model is not baked in"
     assert any("PAGEDSERVE_CACHE_DIR=/opt/pagedserve/cache" in rest for rest in arguments("ENV"))
     assert any("docker/install.sh" in rest for rest in arguments("RUN"))
 
@@ -521,13 +522,15 @@ def test_the_cli_accepts_every_deployed_argument_list() -> None:
 
 # ---- the install recipe ---------------------------------------------------------------------------------------
 
-BUILD_CONTEXT = ["pyproject.toml", "README.md", "engine", "kernels", "server", "configs", "docker/install.sh"]
+BUILD_CONTEXT = [
+    "pyproject.toml", "README.md", "__init__.py", "engine", "kernels", "server", "configs", "docker/install.sh"
+]  # fmt: skip
 
 
 @pytest.mark.slow
 def test_install_script_builds_a_working_environment(tmp_path: Path) -> None:
     """docker/install.sh (what the image runs) in a fresh venv from a copy of the build context, then the
-    image's bake step (`python -m engine`) and the entry point."""
+    image's bake step (`python -m pagedserve.engine`) and the entry point."""
     deadline = time.monotonic() + 600
     source = tmp_path / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
@@ -554,11 +557,12 @@ def test_install_script_builds_a_working_environment(tmp_path: Path) -> None:
 
     run(sys.executable, "-m", "venv", venv)
     run("sh", source / "docker" / "install.sh", python, source)
-    run(python, "-c", "import engine, server, kernels")
-    gguf = run(python, "-c", "from engine.loader import embedded_gguf_path; print(embedded_gguf_path())").strip()
+    run(python, "-c", "import pagedserve.engine, pagedserve.server, pagedserve.kernels")
+    find_gguf = "from pagedserve.engine.loader import embedded_gguf_path; print(embedded_gguf_path())"
+    gguf = run(python, "-c", find_gguf).strip()
     assert Path(gguf).stat().st_mtime_ns % 10**9 == 0, "image layers keep whole seconds: the baked cache would miss"
     assert "serve" in run(venv / "bin" / "pagedserve", "serve", "--help")
-    model_dir = Path(run(python, "-m", "engine").strip().splitlines()[-1])
+    model_dir = Path(run(python, "-m", "pagedserve.engine").strip().splitlines()[-1])
     assert (model_dir / "config.json").is_file() and model_dir.is_relative_to(tmp_path / "cache")
     serve_with_image_defaults(venv, env, deadline)
 

@@ -8,6 +8,7 @@ from pagedserve.engine import LLM, ContextLengthError, SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.validation import check_request
 
 EOS = 2
 
@@ -117,16 +118,21 @@ def test_bad_params_name_the_field(make_params) -> None:
         make_params()
 
 
-def test_bad_requests_leave_the_engine_serving(engine: LLMEngine) -> None:
-    engine.add_request("good", prompt(4), SamplingParams(max_tokens=4, temperature=0))
+def test_bad_requests_are_refused_once_by_check_request(engine: LLMEngine) -> None:
+    limits = engine.limits
     with pytest.raises(ValueError, match="vocabulary"):
-        engine.add_request("bias", prompt(4), SamplingParams(logit_bias={10**6: 1.0}))
+        check_request(limits, prompt(4), SamplingParams(logit_bias={10**6: 1.0}))
     with pytest.raises(ValueError, match="empty"):
-        engine.add_request("empty", [], SamplingParams())
+        check_request(limits, [], SamplingParams())
     with pytest.raises(ValueError, match="token ids"):
-        engine.add_request("oov", [10**7], SamplingParams())
+        check_request(limits, [10**7], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        check_request(limits, [-1], SamplingParams())
     with pytest.raises(ContextLengthError, match="256"):
-        engine.add_request("long", prompt(300), SamplingParams())
+        check_request(limits, prompt(300), SamplingParams())
+    with pytest.raises(ValueError, match=r"max_tokens must be <= 256"):
+        check_request(limits, prompt(4), SamplingParams(max_tokens=257))
+    engine.add_request("good", prompt(4), SamplingParams(max_tokens=4, temperature=0))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("good", prompt(4), SamplingParams())
     out = run(engine, {})
@@ -140,7 +146,7 @@ def test_more_samples_than_seats_are_refused_not_left_waiting(tiny_llama_loaded:
     config = EngineConfig(model=str(tiny_llama_loaded.model_dir), num_kv_blocks=64, max_num_seqs=2)
     engine = LLMEngine(config, loaded=tiny_llama_loaded)
     with pytest.raises(ValueError, match=r"n must be <= max_num_seqs \(2\), got 3"):
-        engine.add_request("three", prompt(4), SamplingParams(n=3))
+        check_request(engine.limits, prompt(4), SamplingParams(n=3))
     out = run(engine, {"two": (prompt(4), SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=1))})
     assert [len(out[f"two/{i}"]["tokens"]) for i in range(2)] == [3, 3]
 
@@ -151,7 +157,7 @@ def test_max_tokens_is_clamped_to_the_context(engine: LLMEngine) -> None:
 
 
 def test_offline_llm_api(tiny_model_dir) -> None:
-    llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=32)
+    llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=32, engine_process=False)
     outputs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=5, temperature=0))
     assert [len(o.outputs[0].token_ids) for o in outputs] == [5, 5]
     assert outputs[0].prompt == "Hello" and outputs[0].outputs[0].metrics is not None

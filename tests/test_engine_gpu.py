@@ -10,7 +10,8 @@ import torch
 import transformers
 
 from benchmarks.gpu_throughput import save_placeholder_tokenizer
-from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+from tests.test_engine import run
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -46,13 +47,12 @@ def test_decode_graphs_generate_what_eager_steps_do(model_dir: Path) -> None:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 40, 25, 60, 5)]
     # float32, so that padded batches (other GEMM shapes) cannot flip a greedy choice by rounding alone.
     config = dict(model=str(model_dir), dtype="float32", num_kv_blocks=1024, max_num_seqs=8, max_model_len=4096)
-    eager = LLM(**config, enforce_eager=True)
-    graphed = LLM(**config)
-    graphs = graphed.engine.runner.decode_graphs
+    eager = LLMEngine(EngineConfig(**config, enforce_eager=True))
+    graphed = LLMEngine(EngineConfig(**config))
+    graphs = graphed.runner.decode_graphs
     assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 8]
-    assert eager.engine.runner.decode_graphs is None
-    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
-    assert got == expected
+    assert eager.runner.decode_graphs is None
+    requests = {str(i): (prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))}
+    assert run(graphed, requests) == run(eager, requests)
     assert graphs.num_replays >= 40
-    assert graphed.engine.kv.pool.num_free == 1024
+    assert graphed.kv.pool.num_free == 1024

@@ -22,8 +22,8 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path, tiny_model_
     names = {name for name, _ in iter_safetensors(tmp_path)}
     assert "model.layers.1.self_attn.q_proj.bias" in names
     params = SamplingParams(max_tokens=6, temperature=0)
-    sharded = LLM(model=str(tmp_path), num_kv_blocks=16).generate([[5, 6, 7]], params)
-    single = LLM(model=str(source), num_kv_blocks=16).generate([[5, 6, 7]], params)
+    sharded = LLM(model=str(tmp_path), num_kv_blocks=16, engine_process=False).generate([[5, 6, 7]], params)
+    single = LLM(model=str(source), num_kv_blocks=16, engine_process=False).generate([[5, 6, 7]], params)
     assert sharded[0].outputs[0].token_ids == single[0].outputs[0].token_ids
 
 

@@ -9,6 +9,7 @@ from pagedserve.engine import SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.validation import check_request
 from tests.test_block_pool import assert_pool_consistent
 from tests.test_engine import prompt, run
 
@@ -127,6 +128,6 @@ def test_mixed_workload_with_aborts_leaves_only_unreferenced_cache(tiny_llama_lo
 def test_request_that_can_never_fit_is_rejected(tiny_llama_loaded: LoadedModel) -> None:
     engine = make_engine(tiny_llama_loaded, num_kv_blocks=4)  # 64 tokens in all
     with pytest.raises(ValueError, match="min_tokens"):
-        engine.add_request("x", prompt(40), SamplingParams(min_tokens=30, max_tokens=40))
+        check_request(engine.limits, prompt(40), SamplingParams(min_tokens=30, max_tokens=40))
     with pytest.raises(ValueError, match="context"):
-        engine.add_request("y", prompt(64), SamplingParams())
+        check_request(engine.limits, prompt(64), SamplingParams())

@@ -50,7 +50,8 @@ def never_loaded() -> LLMEngine:
     raise AssertionError("only the app's routes are needed")
 
 
-SPEC = create_app(AsyncEngine(never_loaded)).openapi()  # the routes, at collection: one test per route and mode
+# The routes, at collection: one test per route and mode.
+SPEC = create_app(AsyncEngine.in_thread(never_loaded)).openapi()
 # Negative cases need something to break: a route without a body or parameters has none.
 CASES = [
     pytest.param(method.upper(), path, mode, id=f"{method.upper()} {path} {mode}")

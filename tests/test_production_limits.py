@@ -73,7 +73,7 @@ def error_of(response: httpx.Response) -> dict:
 
 def wait_until_idle(engine: AsyncEngine, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    while engine.engine.num_unfinished_requests or engine.snapshot().kv_cache_usage:
+    while engine.snapshot().num_unfinished or engine.snapshot().kv_cache_usage:
         assert time.monotonic() < deadline, f"still busy: {engine.snapshot()}"
         time.sleep(0.05)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from pagedserve.engine import EngineConfig, LLMEngine
+from pagedserve.engine import LLM, EngineConfig
 from pagedserve.engine.model_loader import LoadedModel
 from pagedserve.server import cli, offline
 from pagedserve.server.engine_args import engine_config
@@ -22,11 +23,11 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_every_engine_config_field_has_a_flag(capsys: pytest.CaptureFixture[str]) -> None:
     args = parse(
         "serve", "--max-num-seqs", "7", "--kv-cache-memory", "1000000", "--no-enable-prefix-caching",
-        "--dtype", "float32", "--attention-backend", "torch", "--max-model-len", "512",
+        "--dtype", "float32", "--attention-backend", "cpu", "--max-model-len", "512",
     )  # fmt: skip
     config = engine_config(args)
     assert (config.max_num_seqs, config.kv_cache_memory, config.max_model_len) == (7, 1_000_000, 512)
-    assert config.enable_prefix_caching is False and config.attention_backend == "torch"
+    assert config.enable_prefix_caching is False and config.attention_backend == "cpu"
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     help_text = capsys.readouterr().out
@@ -70,7 +71,8 @@ def test_serve_options() -> None:
 @pytest.fixture
 def offline_engine(monkeypatch: pytest.MonkeyPatch, smol_loaded: LoadedModel) -> None:
     """The offline commands build their engine on the already-loaded model."""
-    monkeypatch.setattr(offline, "LLMEngine", lambda config: LLMEngine(config, smol_loaded))
+    on_loaded = SimpleNamespace(from_config=lambda config: LLM.from_config(config, smol_loaded))
+    monkeypatch.setattr(offline, "LLM", on_loaded)
 
 
 @pytest.mark.usefixtures("offline_engine")
@@ -89,9 +91,9 @@ def test_chat_keeps_the_conversation(
     prompts: list[list[int]] = []
     real_stream_reply = offline.stream_reply
 
-    def recording(engine: LLMEngine, prompt: list[int], params: object) -> str:
+    def recording(llm: LLM, prompt: list[int], params: object) -> str:
         prompts.append(prompt)
-        return real_stream_reply(engine, prompt, params)  # type: ignore[arg-type]
+        return real_stream_reply(llm, prompt, params)  # type: ignore[arg-type]
 
     monkeypatch.setattr(offline, "stream_reply", recording)
     assert cli.main(["chat", "--max-tokens", "2", "--temperature", "0", "--num-kv-blocks", "16"]) == 0

@@ -59,9 +59,9 @@ def wait_until_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
 
 
 def assert_all_blocks_free(engine: AsyncEngine) -> None:
-    pool = engine.engine.kv.pool  # read while idle: every block is free, or cached with no reference
-    assert pool.num_free == pool.num_blocks
-    assert all(block.ref_cnt == 0 for block in pool.blocks)
+    snapshot = engine.snapshot()  # read while idle: every block is free, or cached with no reference
+    assert snapshot.num_free_blocks == engine.info.num_kv_blocks
+    assert snapshot.kv_cache_usage == 0.0
 
 
 async def read_stream(client: httpx.AsyncClient, i: int, hang_up_after: int | None) -> list[str]:

@@ -15,8 +15,8 @@ from pagedserve.engine import EngineConfig, LLMEngine, SequenceDelta
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.model_loader import LoadedModel
 from pagedserve.server import create_app
-from pagedserve.server.background import BackgroundServer
 from pagedserve.server.context import ServingContext
+from tests.background import BackgroundServer
 
 CONFIG = EngineConfig(num_kv_blocks=32)
 CHAT = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30}
@@ -35,7 +35,7 @@ def serve() -> Iterator[Callable[[Callable[[], LLMEngine]], Served]]:
     with contextlib.ExitStack() as stack:
 
         def start(make_engine: Callable[[], LLMEngine]) -> Served:
-            engine = AsyncEngine(make_engine).start()
+            engine = AsyncEngine.in_thread(make_engine).start()
             stack.callback(engine.shutdown)
             app = create_app(engine)
             server = stack.enter_context(BackgroundServer(app))

@@ -1,0 +1,68 @@
+"""Every check a request must pass before the engine takes it, in one place.
+
+The engine's public API (AsyncEngine.generate, LLM.generate) runs these once, on the caller's side, so bad
+input fails at once with a ValueError (ContextLengthError for a prompt that is too long) and the engine core
+only ever sees requests it can run. SamplingParams checks what needs no engine (ranges of each field);
+these checks need the loaded engine's numbers (RequestLimits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.engine.sampling_params import SamplingParams
+
+
+class ContextLengthError(ValueError):
+    """The prompt does not fit the model's context; carries the numbers for the error message."""
+
+    def __init__(self, num_prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt_tokens} tokens (at least one token must be left to generate)."
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The loaded engine's numbers that bound a request."""
+
+    max_model_len: int  # tokens of context, capped by what the KV cache holds for one request
+    vocab_size: int
+    max_n: int
+    max_num_seqs: int  # a request's n sequences are seated together, so n can never exceed it
+    max_logprobs: int
+
+
+def check_request(limits: RequestLimits, token_ids: list[int], params: SamplingParams) -> None:
+    """Raises ValueError (or ContextLengthError) naming the offending field when the engine cannot run it."""
+    check_prompt_tokens(limits, token_ids)
+    params.check_token_ids(limits.vocab_size)
+    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
+        raise ValueError(f"logprobs must be <= {limits.max_logprobs}, got {params.logprobs}")
+    if params.n > limits.max_n:
+        raise ValueError(f"n must be <= {limits.max_n}, got {params.n}")
+    if params.n > limits.max_num_seqs:
+        raise ValueError(f"n must be <= max_num_seqs ({limits.max_num_seqs}), got {params.n}")
+    # Up to max_model_len, max_tokens is clamped to the room the prompt leaves; beyond it, it can never fit.
+    if params.max_tokens is not None and params.max_tokens > limits.max_model_len:
+        raise ValueError(
+            f"max_tokens must be <= {limits.max_model_len} (this model's context), got {params.max_tokens}"
+        )
+    if len(token_ids) >= limits.max_model_len:
+        raise ContextLengthError(len(token_ids), limits.max_model_len)
+    room = limits.max_model_len - len(token_ids)
+    if params.min_tokens > room:
+        raise ValueError(
+            f"min_tokens ({params.min_tokens}) does not fit: the prompt leaves room for {room} tokens "
+            f"of this model's {limits.max_model_len}-token context (and KV cache)"
+        )
+
+
+def check_prompt_tokens(limits: RequestLimits, token_ids: list[int]) -> None:
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    if any(not isinstance(t, int) for t in token_ids) or min(token_ids) < 0 or max(token_ids) >= limits.vocab_size:
+        raise ValueError(f"prompt token ids must be integers in [0, {limits.vocab_size})")
