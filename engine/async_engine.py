@@ -156,6 +156,12 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
 
+    def check_admission(self) -> None:
+        """Raises QueueFullError while the waiting queue has no place left: a cheap check before any work on a
+        request (a server sheds it before parsing its body). generate() still decides for each request."""
+        if self._accepting:
+            self._queue_places.refuse_if_full()
+
     async def generate(
         self,
         request_id: str,
@@ -252,7 +258,6 @@ class AsyncEngine:
             return
         self._info = ready.info
         self._snapshot = ready.snapshot
-        self._queue_places.max_seats = ready.info.limits.max_num_seqs
         self._queue_places.limit = ready.snapshot.queue_capacity
         with self._lock:
             self._accepting = not self._stopped

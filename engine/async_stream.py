@@ -93,23 +93,25 @@ class QueuePlaces:
 
     Each of a request's n sequences takes a place, from submission until the scheduler first admits the
     request. `limit` follows the scheduler's queue capacity (max_queue_len plus the running batch's free
-    seats) as of the last step; `max_seats` (max_num_seqs) bounds a single request, whose sequences are
-    seated together. Thread-safe.
+    seats) as of the last step. Thread-safe.
     """
 
-    def __init__(self, limit: int = 0, max_seats: int = 0) -> None:
+    def __init__(self, limit: int = 0) -> None:
         self.limit = limit
-        self.max_seats = max_seats
         self._taken = 0
         self._lock = threading.Lock()
 
     def take(self, num_sequences: int) -> None:
         with self._lock:
-            if num_sequences > self.max_seats:  # could never run, however long it waited: the caller's mistake
-                raise ValueError(f"n must be <= max_num_seqs ({self.max_seats}), got {num_sequences}")
             if self._taken + num_sequences > self.limit:
                 raise QueueFullError(f"the waiting queue is full: {self._taken} of {self.limit} sequences wait")
             self._taken += num_sequences
+
+    def refuse_if_full(self) -> None:
+        """Raises QueueFullError when not even one more sequence fits (so no request can be admitted now)."""
+        with self._lock:
+            if self._taken >= self.limit:
+                raise QueueFullError(f"the waiting queue is full: {self._taken} of {self.limit} sequences wait")
 
     def free(self, num_sequences: int) -> None:
         with self._lock:

@@ -10,7 +10,12 @@ from pagedserve.server import chat, completions, routes
 from pagedserve.server.context import VERSION, ServerSettings, ServingContext
 from pagedserve.server.errors import install_error_handlers
 from pagedserve.server.metrics import ServerMetrics
-from pagedserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
+from pagedserve.server.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    LoadSheddingMiddleware,
+    RequestContextMiddleware,
+)
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -23,8 +28,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     install_error_handlers(app)
     for module in (chat, completions, routes):
         app.include_router(module.router)
-    # Added innermost first: request ids and counts wrap everything, CORS answers preflights before auth, and
-    # bodies are read only for authorized clients.
+    # Added innermost first: request ids and counts wrap everything, CORS answers preflights before auth,
+    # bodies are read only for authorized clients, and a full queue refuses before any body is parsed.
+    app.add_middleware(LoadSheddingMiddleware, serving=app.state.serving)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)

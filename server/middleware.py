@@ -5,17 +5,20 @@ from __future__ import annotations
 import hmac
 import re
 import uuid
+from dataclasses import dataclass
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedserve.engine import QueueFullError
 from pagedserve.server.context import ServingContext
-from pagedserve.server.errors import APIError
+from pagedserve.server.errors import APIError, to_api_error
 from pagedserve.server.logs import RequestRecord
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _VALID_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe in logs and headers
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no API key (nor log lines)
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 class RequestContextMiddleware:
@@ -102,6 +105,36 @@ class BodyLimitMiddleware:
         if record is not None:
             record.error_code = error.code
         await error.response()(scope, receive, send)
+
+
+@dataclass(frozen=True)
+class _ShedRoute:
+    path: str  # what the HTTP metrics label a request with (a routed request's APIRoute has it too)
+
+
+class LoadSheddingMiddleware:
+    """Answers generation requests 503 + Retry-After while the engine's waiting queue is full, before their
+    bodies are parsed, templated or tokenized: under overload, refusing must cost next to nothing. The engine
+    decides (AsyncEngine.check_admission); a request that gets past here may still be refused by generate().
+    """
+
+    def __init__(self, app: ASGIApp, serving: ServingContext) -> None:
+        self.app = app
+        self.serving = serving
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+            try:
+                self.serving.engine.check_admission()
+            except QueueFullError as exc:
+                scope["route"] = _ShedRoute(scope["path"])
+                error = to_api_error(exc, "prompt")
+                record = _record(scope)
+                if record is not None:
+                    record.error_code = error.code
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _record(scope: Scope) -> RequestRecord | None:

@@ -95,6 +95,20 @@ def test_queue_places_count_every_sequence_of_n(url: str, queue_engine: AsyncEng
     assert post(n=4).status_code == 200  # every place came back
 
 
+def test_a_full_queue_sheds_before_parsing_and_is_counted_on_its_route(url: str, queue_engine: AsyncEngine) -> None:
+    four = {**LONG, "n": 4, "stream": True}
+    with running_stream(url, four), httpx.stream("POST", f"{url}/v1/completions", json=four) as waiting:
+        assert waiting.status_code == 200  # the 4 waiting places are taken: nothing more fits
+        shed = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=10)
+        assert shed.status_code == 503 and shed.headers["retry-after"] == "1"
+        assert error_of(shed)["code"] == "queue_full"  # not 400: refused before the body was read as JSON
+        metrics = httpx.get(f"{url}/metrics").text
+        shed_line = 'route="/v1/chat/completions",status="503"'
+        assert any(shed_line in line for line in metrics.splitlines()), "the shed request lost its route label"
+    wait_until_idle(queue_engine)
+    assert httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=10).status_code == 400
+
+
 def test_a_request_s_own_timeout_ends_its_wait_with_408(url: str, queue_engine: AsyncEngine) -> None:
     with running_stream(url, {**LONG, "n": 4}):
         started = time.monotonic()
