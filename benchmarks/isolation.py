@@ -120,7 +120,8 @@ async def overload(url: str, rounds: int, size: int) -> list[float]:
         await asyncio.sleep(1.0)
         seconds, taken = await burst(url, size)
         shed += seconds
-        print(f"  burst of {size}: {len(seconds)} shed with 503 + Retry-After, {taken} taken", flush=True)
+        slowest = 1000 * max(seconds, default=0.0)
+        print(f"  burst of {size}: {len(seconds)} shed with 503 + Retry-After, slowest {slowest:.1f} ms; {taken} taken")
     return shed
 
 
@@ -149,9 +150,11 @@ async def probe_health(url: str, seconds: float) -> tuple[list[float], float]:
     gaps: list[float] = []
 
     async def stream(client: httpx.AsyncClient) -> None:
-        body = {**STREAM, "max_tokens": 100_000, "messages": [{"role": "user", "content": "Count to a million."}]}
+        body = {**STREAM, "max_tokens": 4000, "messages": [{"role": "user", "content": "Count to a million."}]}
         deadline = time.monotonic() + seconds
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"the stream got {response.status_code}: {(await response.aread())!r}")
             last = time.perf_counter()
             async for _ in response.aiter_lines():
                 now = time.perf_counter()

@@ -98,7 +98,7 @@ def serving(pythonpath: Path | None, scratch: Path) -> float:
             check=True,
             stdout=subprocess.DEVNULL,
         )
-        return json.loads(saved.read_text())["result"]["output_throughput"]
+        return json.loads(saved.read_text())["output_throughput"]
     finally:
         server.terminate()
         server.wait(60)

@@ -45,6 +45,7 @@ class EngineConfig:
     enforce_eager: bool = False  # disables CUDA graphs
     num_threads: int | None = None  # torch intra-op threads on CPU
     engine_process: bool = True  # the engine core in a process of its own (False: a thread of the caller's)
+    engine_niceness: int = 10  # added to the core process's nice value: HTTP, probes and streams run first
 
     def __post_init__(self) -> None:
         self.validate()
@@ -67,6 +68,7 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1"),
             (self.max_queue_time is None or self.max_queue_time > 0, "max_queue_time", "> 0 seconds"),
             (self.request_timeout is None or self.request_timeout > 0, "request_timeout", "> 0 seconds"),
+            (0 <= self.engine_niceness <= 19, "engine_niceness", "in [0, 19]"),
         ]
         for ok, name, rule in checks:
             if not ok:
