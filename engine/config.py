@@ -45,7 +45,7 @@ class EngineConfig:
     enforce_eager: bool = False  # disables CUDA graphs
     num_threads: int | None = None  # torch intra-op threads on CPU
     engine_process: bool = True  # the engine core in a process of its own (False: a thread of the caller's)
-    engine_niceness: int = 10  # added to the core process's nice value: HTTP, probes and streams run first
+    engine_niceness: int = 5  # added to the core process's nice value: HTTP, probes and streams run first
 
     def __post_init__(self) -> None:
         self.validate()

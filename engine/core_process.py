@@ -202,8 +202,9 @@ def serve_child(fd: int) -> None:
     root.handlers[:] = [_ForwardLogs(emit)]
     root.setLevel(settings.log_level)
     # The caller's work is short and waited on (admission, probes, each streamed token); the core's is long.
-    # When both want a CPU the caller goes first, and an idle caller leaves the core every CPU: on 2 cores
-    # this took the p99 of a burst's 503s from 48-79 ms to 42-47 ms (benchmarks/isolation.py).
+    # When both want a CPU the caller goes first, and an idle caller leaves the core every CPU. On 2 cores,
+    # 5 levels took the p99 of a burst's 503s from 48-79 ms to 39-53 ms (benchmarks/isolation.py) and kept
+    # serving throughput; 10 levels gave 42-48 ms but cost ~5% of it to a load client on the same host.
     os.nice(settings.config.engine_niceness)
     inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
     threading.Thread(target=_read_commands, args=(connection, inbox), name="pagedserve-inbox", daemon=True).start()
