@@ -17,7 +17,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from tests.servers import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "isolation"
@@ -35,9 +36,7 @@ TARGET_HEALTH_P99_MS = 100.0
 
 
 def start_server(flags: list[str], pythonpath: str | None) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
@@ -45,16 +44,10 @@ def start_server(flags: list[str], pythonpath: str | None) -> tuple[subprocess.P
     command += [MODEL, "--log-level", "warning", *flags]
     server = subprocess.Popen(command, env=env, cwd="/", stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return server, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    server.kill()
-    sys.exit("the server did not become ready")
+    if not wait_ready(server, url, timeout=300):
+        server.kill()
+        sys.exit("the server did not become ready")
+    return server, url
 
 
 # ---- 1. overload ------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from tests.servers import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 OFFLINE = """
@@ -72,22 +71,13 @@ def offline(pythonpath: Path | None, order: str) -> float:
 
 
 def serving(pythonpath: Path | None, scratch: Path) -> float:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = environment(pythonpath)
     flags = ["--port", str(port), "--max-num-seqs", "32", "--log-level", "warning"]
     server = subprocess.Popen([sys.executable, "-m", "pagedserve.server.cli", "serve", *flags], env=env, cwd="/")
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        assert wait_ready(server, url, timeout=300), "the server did not start"
         saved = scratch / f"serve-{time.monotonic_ns()}.json"
         bench = ["--base-url", url, "--endpoint-type", "chat", "--num-prompts", "96", "--max-concurrency", "32"]
         bench += ["--input-len", "128", "--output-len", "128", "--disable-tqdm", "--save-result", str(saved)]

@@ -38,7 +38,7 @@ from pagedserve.engine.core_messages import (
     Shutdown,
     StepOutput,
 )
-from pagedserve.engine.core_process import CoreConnection, CoreGone, ProcessCore, ThreadCore
+from pagedserve.engine.core_process import CoreConnection, CoreGone, ThreadCore, connect_core
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.model_loader import LoadedModel
 from pagedserve.engine.outputs import SequenceDelta
@@ -71,9 +71,7 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> AsyncEngine:
         """The core in a process of its own, unless the model is loaded here already or config says not to."""
-        if loaded is not None or not config.engine_process:
-            return cls.in_thread(lambda: LLMEngine(config, loaded))
-        return cls(ProcessCore(config))
+        return cls(connect_core(config, loaded))
 
     @classmethod
     def in_thread(cls, make_engine: Callable[[], LLMEngine]) -> AsyncEngine:
@@ -101,8 +99,7 @@ class AsyncEngine:
         with self._lock:
             self._accepting = False
             self._stopped = True
-        self._core.send(Shutdown())
-        self._core.join(timeout)
+        self._core.stop(timeout)
         if self._reader.is_alive():
             self._reader.join(timeout)
 

@@ -44,7 +44,7 @@ def run_core(make_engine: Callable[[], LLMEngine], inbox: queue.SimpleQueue[Comm
         emit(CoreFailed(f"the model failed to load: {exc!r}"))
         return
     core = EngineCore(engine)
-    emit(Ready(engine_info(engine), core.snapshot()))
+    emit(Ready(engine_info(engine), engine.snapshot()))
     try:
         core.serve(inbox, emit)
     except BaseException as exc:
@@ -81,14 +81,14 @@ class EngineCore:
         for command in _take(inbox, block=not self.engine.has_unfinished_requests()):
             if isinstance(command, Shutdown):
                 out.deltas += self._abort(list(self.engine.request_ids()))
-                out.snapshot = self.snapshot()
+                out.snapshot = self.engine.snapshot()
                 emit(out)
                 return False
             self._execute(command, out, emit)
         if self.engine.has_unfinished_requests():
             self._step(out)
         out.admitted = self._take_admitted()
-        out.snapshot = self.snapshot()
+        out.snapshot = self.engine.snapshot()
         emit(out)
         return True
 
@@ -127,9 +127,6 @@ class EngineCore:
         admitted = [request_id for request_id in self._queued if request_id not in waiting]
         self._queued.difference_update(admitted)
         return admitted
-
-    def snapshot(self) -> EngineSnapshot:
-        return self.engine.snapshot()
 
 
 def _take(inbox: queue.SimpleQueue[Command], block: bool) -> list[Command]:

@@ -27,16 +27,13 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.core_messages import Command, CoreMessage, LogRecord
+from pagedserve.engine.core_messages import Command, CoreMessage, LogRecord, Shutdown
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.model_loader import LoadedModel
 
 logger = logging.getLogger(__name__)
-
-# The core's environment where the caller's leaves them unset: torch's OpenMP workers sleep while they wait
-# instead of spinning on the cores the engine's own kernel pool needs (engine/openmp_policy.py).
-CORE_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 class CoreGone(RuntimeError):
@@ -60,6 +57,20 @@ class CoreConnection(ABC):
     @abstractmethod
     def join(self, timeout: float) -> None:
         """Waits for the core to end (after a Shutdown), then ends it by force."""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Aborts what the core runs, ends it and waits (up to `timeout`, then by force)."""
+        self.send(Shutdown())
+        self.join(timeout)
+
+
+def connect_core(config: EngineConfig, loaded: LoadedModel | None = None) -> CoreConnection:
+    """A core in a process of its own, unless the model is loaded here already or the config says not to."""
+    if loaded is not None or not config.engine_process:
+        from pagedserve.engine.llm_engine import LLMEngine
+
+        return ThreadCore(lambda: LLMEngine(config, loaded))
+    return ProcessCore(config)
 
 
 class ThreadCore(CoreConnection):
@@ -122,12 +133,10 @@ class ProcessCore(CoreConnection):
 
     def start(self) -> None:
         ours, theirs = socket.socketpair()
-        environment = {**CORE_ENVIRONMENT, **os.environ}
         with theirs:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "pagedserve.engine.core_entry", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                env=environment,
+                pass_fds=[theirs.fileno()],  # the environment is ours: OMP_WAIT_POLICY is in it (openmp_policy)
                 stdin=subprocess.DEVNULL,
             )
         self._connection = Connection(ours.detach())

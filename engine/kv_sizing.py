@@ -43,7 +43,9 @@ def plan_kv_cache(config: EngineConfig, loaded: LoadedModel) -> KVCachePlan:
     bytes_per_block = kv_bytes_per_block(loaded.spec, config.block_size, loaded.dtype)
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
-        budget = kv_cache_budget(config, loaded.device, _profile_peak_memory(config, loaded))
+        # An explicit kv_cache_memory is the budget as it is: no profiling pass to subtract from it.
+        peak = None if config.kv_cache_memory is not None else _profile_peak_memory(config, loaded)
+        budget = kv_cache_budget(config, loaded.device, peak)
         num_blocks = blocks_in_budget(budget, bytes_per_block)
     # A request must always fit the cache alone, or preemption could cycle forever.
     max_model_len = min(resolve_max_model_len(config, loaded.spec), num_blocks * config.block_size)
@@ -98,6 +100,6 @@ def _profile_peak_memory(config: EngineConfig, loaded: LoadedModel) -> int | Non
     """Peak CUDA memory of a forward pass over a full token budget; None off CUDA, where nothing is measured."""
     if loaded.device.type != "cuda":
         return None
-    from pagedserve.engine.profiling import profile_forward_peak  # CUDA only
+    from pagedserve.engine.profiling import profile_forward_peak  # here: profiling imports kv_sizing's importers
 
     return profile_forward_peak(loaded, config)

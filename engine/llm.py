@@ -26,11 +26,10 @@ from pagedserve.engine.core_messages import (
     LogRecord,
     Ready,
     Reply,
-    Shutdown,
     StepOutput,
 )
-from pagedserve.engine.core_process import CoreConnection, CoreGone, ProcessCore, ThreadCore
-from pagedserve.engine.llm_engine import EngineStats, LLMEngine
+from pagedserve.engine.core_process import CoreGone, connect_core
+from pagedserve.engine.llm_engine import EngineStats
 from pagedserve.engine.model_loader import LoadedModel
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta
 from pagedserve.engine.sampling_params import SamplingParams
@@ -54,13 +53,9 @@ class LLM:
 
     def _start(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self._core: CoreConnection = (
-            ProcessCore(config)
-            if config.engine_process and loaded is None
-            else ThreadCore(lambda: LLMEngine(config, loaded))
-        )
+        self._core = connect_core(config, loaded)
         self._core.start()
-        self._finalizer = weakref.finalize(self, _stop_core, self._core)  # runs once: close(), collection or exit
+        self._finalizer = weakref.finalize(self, self._core.stop)  # runs once: close(), collection or exit
         self._ids = itertools.count()
         self._closed = False
         ready = self._receive()
@@ -89,10 +84,8 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
         params_list = _broadcast(sampling_params, len(prompt_list))
-        results = {
-            str(next(self._ids)): self._checked_output(prompt, params)
-            for prompt, params in zip(prompt_list, params_list)
-        }
+        checked = [self._checked_output(str(next(self._ids)), p, sp) for p, sp in zip(prompt_list, params_list)]
+        results = {output.request_id: output for output in checked}
         bar = tqdm(total=len(results), desc="generating", unit="req", disable=not (use_tqdm and len(results) > 1))
         try:
             for request_id, params in zip(results, params_list):
@@ -121,10 +114,9 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: SamplingParams) -> Generator[SequenceDelta, None, None]:
         """One request's deltas as they come (its n sequences interleaved). Closing the iterator aborts it."""
-        request_id = str(next(self._ids))
-        output = self._checked_output(prompt, params)
-        self._add(request_id, output.prompt_token_ids, params)
-        yield from self._deltas({request_id: params.n})
+        output = self._checked_output(str(next(self._ids)), prompt, params)
+        self._add(output.request_id, output.prompt_token_ids, params)
+        yield from self._deltas({output.request_id: params.n})
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
         return self._prompts.encode_chat(messages)
@@ -152,11 +144,12 @@ class LLM:
 
     # ---- the core ----------------------------------------------------------------------------------
 
-    def _checked_output(self, prompt: Prompt, params: SamplingParams) -> RequestOutput:
+    def _checked_output(self, request_id: str, prompt: Prompt, params: SamplingParams) -> RequestOutput:
+        """The request's empty output, once it has passed check_request (ValueError otherwise)."""
         token_ids = self._prompts.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_request(self.info.limits, token_ids, params)
         return RequestOutput(
-            request_id="",
+            request_id=request_id,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=token_ids,
             outputs=[CompletionOutput(index=i) for i in range(params.n)],
@@ -199,11 +192,6 @@ class LLM:
             raise EngineUnavailableError(message.reason)
         assert not isinstance(message, LogRecord), "the transport handles log records"
         return message
-
-
-def _stop_core(core: CoreConnection) -> None:
-    core.send(Shutdown())
-    core.join(30.0)
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

@@ -41,7 +41,7 @@ class EngineStats:
     peak_kv_tokens: int = 0  # tokens held in KV at the fullest step
     peak_kv_slots: int = 0  # block slots allocated at that step
     peak_running: int = 0
-    forward_seconds: float = 0.0  # in the model's forward (the rest of step_seconds: scheduling, sampling)
+    forward_seconds: float = 0.0  # in the model's forward; filled by collect_stats from the runner's clock
 
 
 class LLMEngine:
@@ -52,12 +52,11 @@ class LLMEngine:
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         self.tokenizer = self.loaded.tokenizer
-        self.vocab_size = self.loaded.spec.vocab_size
-        self.kv_plan = plan = plan_kv_cache(self.config, self.loaded)
+        plan = plan_kv_cache(self.config, self.loaded)
         self.max_model_len = plan.max_model_len
         self.limits = RequestLimits(
             max_model_len=plan.max_model_len,
-            vocab_size=self.vocab_size,
+            vocab_size=self.loaded.spec.vocab_size,
             max_n=self.config.max_n,
             max_num_seqs=self.config.max_num_seqs,
             max_logprobs=self.config.max_logprobs,

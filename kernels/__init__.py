@@ -10,7 +10,6 @@ import torch
 
 from pagedserve.kernels.backend import (
     BACKEND_NAMES,
-    AttentionBackend,
     KernelBackend,
     RotaryAngles,
     get_backend,
@@ -20,7 +19,6 @@ from pagedserve.kernels.metadata import AttentionMetadata
 
 __all__ = [
     "BACKEND_NAMES",
-    "AttentionBackend",
     "AttentionMetadata",
     "KernelBackend",
     "RotaryAngles",

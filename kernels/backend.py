@@ -107,9 +107,6 @@ class KernelBackend(ABC):
         return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
 
 
-AttentionBackend = KernelBackend  # the interface's name from when it covered attention only
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in float32 and cast back before the weight, exactly as transformers does.
     x32 = x.float()

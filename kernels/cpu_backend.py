@@ -15,9 +15,8 @@ does not apply (another dtype, autograd, a layout it would misread) torch comput
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from pagedserve.kernels.backend import KernelBackend, RotaryAngles, rms_norm
+from pagedserve.kernels.backend import KernelBackend, RotaryAngles
 from pagedserve.kernels.cpu_attention import AttentionPlan, decode_attention, plan_attention, prefill_attention
 from pagedserve.kernels.cpu_layer_ops import LayerOps, heads_in_feature_order, is_dense_activation, layer_ops
 from pagedserve.kernels.cpu_linear import SkinnyLinear, skinny_linear_applies, skinny_linear_kernel
@@ -118,7 +117,7 @@ class CpuBackend(KernelBackend):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not _feature_major(x):
-            return F.linear(x, weight, bias)
+            return super().linear(x, weight, bias)
         if self.skinny_linear is not None and skinny_linear_applies(x, weight):
             return self.skinny_linear(x, weight, bias)
         out = torch.mm(weight, x.t()).t()
@@ -131,7 +130,7 @@ class CpuBackend(KernelBackend):
         ops = self._layer_ops_for(x) if is_dense_activation(x) else None
         if ops is not None:
             return ops.add_rms_norm(x, None, weight, eps)
-        return rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float

@@ -1,9 +1,14 @@
-"""Engines and loopback servers for tests: started once per module, always shut down."""
+"""Engines and loopback servers for tests (and benchmarks): started once per module, always shut down."""
 
 from __future__ import annotations
 
 import contextlib
+import socket
+import subprocess
+import time
 from collections.abc import Iterator
+
+import httpx
 
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.config import EngineConfig
@@ -34,3 +39,23 @@ def served_engine(config: EngineConfig, loaded: LoadedModel, settings: ServerSet
     """A fresh engine behind a fresh server; yields the server's base URL."""
     with running_engine(config, loaded) as engine, serving(engine, settings) as url:
         yield url
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now, for a server process to take."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_ready(process: subprocess.Popen, url: str, timeout: float) -> bool:
+    """Polls `url`/ready until it answers 200 (True), or until `process` exits or `timeout` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    return False

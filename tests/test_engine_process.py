@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pagedserve.engine import LLM, EngineConfig, SamplingParams
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.server import ServerSettings, create_app
 from tests.background import BackgroundServer
+from tests.servers import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -89,22 +89,14 @@ def test_a_dead_core_turns_health_503_and_fails_requests(smol_dir: Path) -> None
 
 
 def _serve(*flags: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "pagedserve.server.cli", "serve", "--port", str(port), *flags]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while process.poll() is None and time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise AssertionError("the server did not become ready")
+    if not wait_ready(process, url, STARTUP_SECONDS):
+        process.kill()
+        raise AssertionError("the server did not become ready")
+    return process, url
 
 
 def _core_of(server: subprocess.Popen) -> psutil.Process:

@@ -137,24 +137,23 @@ def test_gated_mlp_matches_the_torch_path(ops: LayerOps) -> None:
 def test_cpu_dense_ops_match_the_torch_defaults(ops: LayerOps, tokens: int) -> None:
     """Each dense op the CPU backend overrides computes what the base class's torch default (CUDA's) does."""
     backend, generator = CpuBackend(), torch.Generator().manual_seed(tokens)
-    torch_op = KernelBackend
     x, weight, bias = (torch.randn(shape, generator=generator) for shape in ((tokens, 48), (80, 48), (80,)))
     with torch.inference_mode():
         out = backend.linear(x, weight, bias)
-        torch.testing.assert_close(out, torch_op.linear(backend, x, weight, bias), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(out, KernelBackend.linear(backend, x, weight, bias), rtol=1e-5, atol=1e-4)
         hidden = backend.in_linear_output_layout(torch.randn(tokens, 80, generator=generator))
         if tokens > 1:  # one token is both layouts at once
             assert (out.stride(0) == 1) == (tokens <= TRANSPOSED_GEMM_MAX_ROWS), "feature-major for small batches"
             assert hidden.stride() == out.stride(), "the residual stream shares the projections' layout"
         norm_weight = torch.randn(80, generator=generator)
         torch.testing.assert_close(
-            backend.rms_norm(out, norm_weight, 1e-6), torch_op.rms_norm(backend, out, norm_weight, 1e-6)
+            backend.rms_norm(out, norm_weight, 1e-6), KernelBackend.rms_norm(backend, out, norm_weight, 1e-6)
         )
-        expected_norm, expected_sum = torch_op.add_rms_norm(backend, out, hidden, norm_weight, 1e-6)
+        expected_norm, expected_sum = KernelBackend.add_rms_norm(backend, out, hidden, norm_weight, 1e-6)
         normed, residual = backend.add_rms_norm(out, hidden, norm_weight, 1e-6)
         torch.testing.assert_close(normed, expected_norm)
         assert residual is hidden and torch.equal(residual, expected_sum), "the sum lands in the residual"
-        torch.testing.assert_close(backend.silu_and_mul(out), torch_op.silu_and_mul(backend, out))
+        torch.testing.assert_close(backend.silu_and_mul(out), KernelBackend.silu_and_mul(backend, out))
 
 
 def test_autograd_inputs_keep_the_torch_path() -> None:

@@ -1,5 +1,5 @@
-"""KV cache sizing (kv_sizing) and the request groups of parallel sampling (parallel_sampling), on plain
-numbers: a config, a hand-written ModelSpec and fake requests, no model load."""
+"""KV cache sizing (engine/kv_sizing.py) on plain numbers: a config, a hand-written ModelSpec and a fake GPU,
+no model load."""
 
 from __future__ import annotations
 
@@ -23,15 +23,6 @@ from pagedserve.engine.kv_sizing import (
 )
 from pagedserve.engine.model_runner import allocate_kv_caches
 from pagedserve.engine.models import ModelSpec
-from pagedserve.engine.parallel_sampling import (
-    PendingForks,
-    RequestGroups,
-    expand_logits,
-    make_samples,
-    sibling_rows,
-)
-from pagedserve.engine.request import Request
-from pagedserve.engine.sampling_params import SamplingParams
 
 SPEC = ModelSpec(
     architecture="LlamaForCausalLM",
@@ -64,9 +55,6 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch, total: int, peak: int) -> list[Any
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
     monkeypatch.setattr(profiling, "profile_forward_peak", lambda loaded, config: calls.append(loaded) or peak)
     return calls
-
-
-# ---- kv_sizing -----------------------------------------------------------------------------------------
 
 
 def test_block_bytes_count_k_and_v_of_every_layer() -> None:
@@ -107,6 +95,12 @@ def test_gpu_gets_what_the_profiling_pass_leaves(monkeypatch: pytest.MonkeyPatch
     assert calls == [loaded]
 
 
+def test_an_explicit_budget_on_a_gpu_skips_the_profiling_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_gpu(monkeypatch, total=10_000_000, peak=1_000_000)
+    plan = plan_kv_cache(EngineConfig(kv_cache_memory=10 * BLOCK_BYTES), fake_loaded("cuda"))
+    assert plan.num_blocks == 10 and calls == []
+
+
 def test_a_budget_without_room_for_one_block_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_gpu(monkeypatch, total=1_000, peak=5_000)
     assert kv_cache_budget(EngineConfig(), torch.device("cuda"), 5_000) == 0
@@ -136,70 +130,3 @@ def test_the_plan_is_frozen() -> None:
     plan = plan_kv_cache(EngineConfig(num_kv_blocks=2), fake_loaded())
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.num_blocks = 3  # type: ignore[misc]
-
-
-# ---- parallel_sampling ---------------------------------------------------------------------------------
-
-
-def samples(request_id: str, n: int, seed: int | None = None) -> list[Request]:
-    params = SamplingParams(n=n, seed=seed)
-    return make_samples(request_id, [5, 6, 7], params, max_tokens=4, eos_token_ids=frozenset({2}), arrival_time=1.0)
-
-
-def test_a_single_sample_keeps_the_callers_id_and_seed() -> None:
-    (only,) = samples("r", 1, seed=7)
-    assert (only.request_id, only.parent_id, only.index) == ("r", "r", 0)
-    assert only.generator is not None and only.generator.initial_seed() == 7
-
-
-def test_n_samples_get_numbered_ids_and_consecutive_seeds() -> None:
-    group = samples("r", 3, seed=10)
-    assert [s.request_id for s in group] == ["r#0", "r#1", "r#2"]
-    assert [s.parent_id for s in group] == ["r"] * 3 and [s.index for s in group] == [0, 1, 2]
-    assert [s.generator.initial_seed() for s in group if s.generator is not None] == [10, 11, 12]
-    assert all(s.max_tokens == 4 and s.times.arrival == 1.0 for s in group)
-    assert all(s.generator is None for s in samples("u", 2))
-
-
-def test_a_group_ends_with_its_last_sequence() -> None:
-    groups = RequestGroups()
-    group = samples("r", 2)
-    groups.add("r", group)
-    assert "r" in groups and list(groups) == ["r"] and groups.members("r") == ["r#0", "r#1"]
-    groups.discard(group[1])
-    groups.discard(group[1])  # twice is harmless
-    assert groups.members("r") == ["r#0"]
-    groups.discard(group[0])
-    assert "r" not in groups and len(groups) == 0 and groups.members("r") == []
-
-
-def test_siblings_wait_for_the_leaders_first_token() -> None:
-    forks = PendingForks()
-    leader, *siblings = samples("r", 3)
-    forks.add(leader, siblings)
-    assert forks.seats_needed(leader) == 3 and forks.pending(leader) == siblings
-    leader.append_output_token(9)
-    assert forks.pending(leader) == []
-    assert forks.pop(leader) == siblings and not forks
-
-
-def test_an_ending_leader_hands_the_prompt_to_its_first_sibling() -> None:
-    forks = PendingForks()
-    leader, first, second = samples("r", 3)
-    forks.add(leader, [first, second])
-    assert forks.forget(leader) is first
-    assert forks.pending(first) == [second] and forks.seats_needed(leader) == 1
-    assert forks.forget(second) is None  # a sibling just leaves its group
-    assert not forks and forks.seats_needed(first) == 1
-
-
-def test_forking_siblings_sample_from_their_leaders_row() -> None:
-    forks = PendingForks()
-    a_leader, *a_siblings = samples("a", 3)
-    (b,) = samples("b", 1)
-    forks.add(a_leader, a_siblings)
-    requests, rows = sibling_rows([b, a_leader], forks)
-    assert requests == [b, a_leader, *a_siblings] and rows == [0, 1, 1, 1]
-    logits = torch.tensor([[0.0], [1.0]])
-    assert expand_logits(logits, rows).flatten().tolist() == [0.0, 1.0, 1.0, 1.0]
-    assert expand_logits(logits, [0, 1]) is logits  # nothing forks: the runner's logits as they are

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.servers import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_STREAMS = 8
@@ -36,9 +37,7 @@ class Served:
 
 
 def launch(folder: Path, shutdown_timeout: str) -> Served:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     log = folder / f"serve-{shutdown_timeout}s.log"
     command = [
         sys.executable, "-m", "pagedserve.server.cli", "serve",
@@ -51,15 +50,9 @@ def launch(folder: Path, shutdown_timeout: str) -> Served:
     return Served(process, f"http://127.0.0.1:{port}", log)
 
 
-def wait_ready(served: Served, deadline: float) -> None:
-    while time.monotonic() < deadline and served.process.poll() is None:
-        try:
-            if httpx.get(f"{served.url}/ready", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"the server did not become ready:\n{served.log.read_text()[-3000:]}")
+def wait_until_ready(served: Served, deadline: float) -> None:
+    if not wait_ready(served.process, served.url, deadline - time.monotonic()):
+        pytest.fail(f"the server did not become ready:\n{served.log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +62,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     try:
         deadline = time.monotonic() + STARTUP_SECONDS
         for served in started.values():
-            wait_ready(served, deadline)
+            wait_until_ready(served, deadline)
         yield started
     finally:
         for served in started.values():

@@ -9,15 +9,15 @@ from __future__ import annotations
 import json
 import os
 import site
-import socket
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.servers import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_SECONDS = 180
@@ -76,9 +76,7 @@ def test_pip_show_lists_no_generic_top_level_package(fresh_venv: Path) -> None:
 
 
 def test_the_installed_server_runs_the_native_kernels(fresh_venv: Path, tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     log = tmp_path / "serve.log"
     command = [str(fresh_venv / "bin" / "pagedserve"), "serve", "--port", str(port), "--log-format", "json"]
     command += ["--num-kv-blocks", "64", "--num-threads", "1"]
@@ -88,14 +86,7 @@ def test_the_installed_server_runs_the_native_kernels(fresh_venv: Path, tmp_path
         server = subprocess.Popen(command, cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while time.monotonic() < deadline:
-            assert server.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        assert wait_ready(server, url, STARTUP_SECONDS), log.read_text()
         body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
         answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         assert answer.status_code == 200, answer.text
