@@ -28,6 +28,7 @@ from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.engine.validation import RequestLimits
 
 logger = logging.getLogger(__name__)
+Sampled = tuple[int, TokenLogprob | None]  # a sequence's next token, and its logprobs when asked for
 
 
 @dataclass
@@ -60,6 +61,7 @@ class LLMEngine:
             max_n=self.config.max_n,
             max_num_seqs=self.config.max_num_seqs,
             max_logprobs=self.config.max_logprobs,
+            max_queue_len=self.config.max_queue_len,
         )
         identity = f"{self.loaded.model_dir}:{self.loaded.dtype}".encode()
         self.kv = KVCacheManager(
@@ -178,28 +180,69 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceDelta]:
+        """One forward pass and its tokens. A request whose sampling or detokenization fails is failed alone
+        (its blocks freed); the others carry on with the tokens they would have had without it."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return self._errors_for_stuck_requests()
         try:
-            sampled = self._run_and_sample(out)
-        except Exception as exc:  # a failed step fails its requests, not the engine
+            logits = self.runner.execute(out.scheduled, self.kv.take_pending_copies())
+        except Exception as exc:  # a failed forward fails its requests, not the engine
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
             ids = {s.request.parent_id for s in out.scheduled}
             return [d for rid in ids for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, str(exc))]
-        progressed = self.scheduler.update(out, {rid: tok for rid, (tok, _) in sampled.items()})
-        deltas = [self._delta(r, sampled[r.request_id][1]) for r in progressed]
+        sampled, failed = self._sample(out, logits)
+        deltas = [d for rid, why in failed.items() for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, why)]
+        progressed = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
+        for request in progressed:
+            deltas += self._delta_or_failure(request, sampled[request.request_id][1])
         self._record_step(progressed, start)
         return deltas
 
-    def _run_and_sample(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
-        logits = self.runner.execute(out.scheduled, self.kv.take_pending_copies())
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> tuple[dict[str, Sampled], dict[str, str]]:
+        """The sampled token of each sequence, and the callers' ids of requests whose sampling failed (why).
+
+        The batch is sampled at once; if that raises, row by row from the same logits, with the seeded
+        generators rewound, so the rows that do not fail draw exactly what they would have in the batch.
+        """
         sampling, rows = sibling_rows([s.request for s in out.scheduled if s.samples], self.scheduler.forks)
         if not sampling:
-            return {}
-        result = self.sampler(expand_logits(logits, rows), sampling)
-        return {r.request_id: (t, lp) for r, t, lp in zip(sampling, result.token_ids, result.logprobs)}
+            return {}, {}
+        logits = expand_logits(logits, rows)
+        rewind = [(r.generator, r.generator.get_state()) for r in sampling if r.generator is not None]
+        try:
+            result = self.sampler(logits, sampling)
+            return {r.request_id: (t, lp) for r, t, lp in zip(sampling, result.token_ids, result.logprobs)}, {}
+        except Exception:
+            logger.exception("sampling a batch of %d sequences failed; sampling them one by one", len(sampling))
+        for generator, state in rewind:
+            generator.set_state(state)
+        sampled: dict[str, Sampled] = {}
+        failed: dict[str, str] = {}
+        for row, request in enumerate(sampling):
+            try:
+                alone = self.sampler(logits[row : row + 1], [request])
+            except Exception as exc:
+                logger.error("request %s: sampling failed (%r); failing it", request.parent_id, exc)
+                failed[request.parent_id] = f"sampling failed: {exc}"
+                continue
+            sampled[request.request_id] = (alone.token_ids[0], alone.logprobs[0])
+        return sampled, failed
+
+    def _delta_or_failure(self, request: Request, logprob: TokenLogprob | None) -> list[SequenceDelta]:
+        """The sequence's delta for this step; if building it fails (detokenization), its request's end."""
+        try:
+            return [self._delta(request, logprob)]
+        except Exception as exc:
+            logger.exception("request %s: detokenization failed; failing it", request.parent_id)
+            why = f"detokenization failed: {exc}"
+            self._detokenizers.pop(request.request_id, None)
+            ended = []
+            if request.is_finished:  # the scheduler ended it this step: _finish_group would no longer find it
+                request.status = RequestStatus.FINISHED_ERROR
+                ended.append(self._final_delta(request, why))
+            return ended + self._finish_group(request.parent_id, RequestStatus.FINISHED_ERROR, why)
 
     def _delta(self, request: Request, logprob: TokenLogprob | None) -> SequenceDelta:
         if request.times.first_token is None:
@@ -248,13 +291,16 @@ class LLMEngine:
         deltas = []
         for child_id in self._children.members(request_id):
             request = self.scheduler.finish(child_id, status)
-            if request is None:
-                continue
-            detokenizer = self._detokenizers.get(child_id)
-            delta = SequenceDelta(request_id, request.index, [], detokenizer.flush() if detokenizer else "")
-            self._complete(request, delta, error)
-            deltas.append(delta)
+            if request is not None:
+                deltas.append(self._final_delta(request, error))
         return deltas
+
+    def _final_delta(self, request: Request, error: str | None) -> SequenceDelta:
+        """The last delta of a sequence ended outside the sampling path (abort, error): held-back text only."""
+        detokenizer = self._detokenizers.get(request.request_id)
+        delta = SequenceDelta(request.parent_id, request.index, [], detokenizer.flush() if detokenizer else "")
+        self._complete(request, delta, error)
+        return delta
 
     def _errors_for_stuck_requests(self) -> list[SequenceDelta]:
         """Nothing could be scheduled although requests wait: fail the head of the queue, not the engine."""

@@ -38,7 +38,11 @@ class Sampler:
 
 
 def apply_logit_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """logit_bias, min_tokens (no stop before it) and repetition/frequency/presence penalties."""
+    """logit_bias, min_tokens (no stop before it) and repetition/frequency/presence penalties, on a copy:
+    the engine may sample the same logits again (row by row, when a batch's sampling fails)."""
+    if not any(_needs_processing(r) for r in requests):
+        return logits
+    logits = logits.clone()
     _apply_logit_bias(logits, requests)
     _block_stop_tokens_before_min(logits, requests)
     penalized = [i for i, r in enumerate(requests) if r.params.needs_penalties]
@@ -46,6 +50,11 @@ def apply_logit_processors(logits: torch.Tensor, requests: list[Request]) -> tor
         rows = torch.tensor(penalized, device=logits.device)
         logits[rows] = _apply_penalties(logits[rows], [requests[i] for i in penalized])
     return logits
+
+
+def _needs_processing(request: Request) -> bool:
+    params = request.params
+    return bool(params.logit_bias) or request.num_output_tokens < params.min_tokens or params.needs_penalties
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -67,9 +76,9 @@ def _block_stop_tokens_before_min(logits: torch.Tensor, requests: list[Request])
     for row, request in enumerate(requests):
         if request.num_output_tokens >= request.params.min_tokens:
             continue
-        stops = set(request.params.stop_token_ids)
+        stops = request.stop_token_ids
         if not request.params.ignore_eos:
-            stops |= request.eos_token_ids
+            stops = stops | request.eos_token_ids
         rows.extend([row] * len(stops))
         cols.extend(stops)
     if rows:
@@ -134,7 +143,7 @@ def _filter_top_k_top_p_min_p(logits: torch.Tensor, requests: list[Request]) -> 
         return logits
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    top_k = _column([p.top_k if p.top_k > 0 else vocab for p in params], logits.device)
+    top_k = _column([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], logits.device)
     drop = torch.arange(vocab, device=logits.device).unsqueeze(0) >= top_k
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
