@@ -247,7 +247,7 @@ class AsyncEngine:
 
     def _on_ready(self, ready: Ready) -> None:
         try:
-            self._tokenizer = PromptTokenizer.load(ready.info.tokenizer)
+            self._tokenizer = PromptTokenizer.load(ready.info.tokenizer, ready.info.trust_message_special_tokens)
         except Exception as exc:
             logger.exception("the tokenizer failed to load")
             self._die(f"the tokenizer failed to load: {exc!r}")

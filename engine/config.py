@@ -39,6 +39,8 @@ class EngineConfig:
     request_timeout: float | None = None  # seconds a request may take in all; then it is aborted (None: no limit)
     max_logprobs: int = 20
     max_n: int = 16
+    # Chat message text is tokenized as plain text: "<|im_start|>" typed by a user never becomes the role marker.
+    trust_message_special_tokens: bool = False  # True: special tokens typed in messages count (role markers too)
 
     # Execution
     attention_backend: str = "auto"  # auto | triton | cpu

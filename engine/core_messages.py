@@ -60,6 +60,7 @@ class EngineInfo:
 
     model_dir: str
     tokenizer: str  # where to load the tokenizer from
+    trust_message_special_tokens: bool  # EngineConfig's: how chat message text is tokenized
     limits: RequestLimits
     max_queue_time: float | None  # seconds a request may wait to be scheduled (None: no limit)
     request_timeout: float | None  # seconds a request may take in all (None: no limit)

@@ -62,7 +62,7 @@ class LLM:
         if not isinstance(ready, Ready):
             raise EngineUnavailableError(f"unexpected first message from the engine core: {ready!r}")
         self.info: EngineInfo = ready.info
-        self._prompts = PromptTokenizer.load(ready.info.tokenizer)
+        self._prompts = PromptTokenizer.load(ready.info.tokenizer, ready.info.trust_message_special_tokens)
 
     @property
     def tokenizer(self):

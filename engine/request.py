@@ -55,6 +55,7 @@ class Request:
         self.params = params
         self.max_tokens = max_tokens  # already clamped to the room left in the context
         self.eos_token_ids = eos_token_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+MAX_INT32 = 2**31 - 1  # the bound of every count: a vocabulary, a context, a batch all fit well below it
 
 
 @dataclass
@@ -41,9 +42,10 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        _check("n", self.n, self.n >= 1, ">= 1")
-        _check("max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens >= 1, ">= 1")
-        _check("min_tokens", self.min_tokens, self.min_tokens >= 0, ">= 0")
+        _check("n", self.n, 1 <= self.n <= MAX_INT32, f"in [1, {MAX_INT32}]")
+        max_tokens = self.max_tokens
+        _check("max_tokens", max_tokens, max_tokens is None or 1 <= max_tokens <= MAX_INT32, f"in [1, {MAX_INT32}]")
+        _check("min_tokens", self.min_tokens, 0 <= self.min_tokens <= MAX_INT32, f"in [0, {MAX_INT32}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         _check(
@@ -53,7 +55,7 @@ class SamplingParams:
             "in [0, 2]",
         )
         _check("top_p", self.top_p, _finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
-        _check("top_k", self.top_k, self.top_k >= 0, "-1, 0 (off) or a positive integer")
+        _check("top_k", self.top_k, 0 <= self.top_k <= MAX_INT32, f"-1, 0 (off) or a positive integer <= {MAX_INT32}")
         _check("min_p", self.min_p, _finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -62,7 +64,7 @@ class SamplingParams:
         _check("repetition_penalty", rep, _finite(rep) and 0 < rep <= 2, "in (0, 2]")
         for token, bias in self.logit_bias.items():
             _check("logit_bias", bias, _finite(bias) and -100 <= bias <= 100, "values in [-100, 100]")
-            _check("logit_bias", token, token >= 0, "keys that are token ids >= 0")
+            _check("logit_bias", token, 0 <= token <= MAX_INT32, "keys that are token ids")
         if self.logprobs is not None:
             _check(
                 "logprobs",
@@ -74,7 +76,8 @@ class SamplingParams:
             raise ValueError("stop must hold non-empty strings")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
-        _check("stop_token_ids", self.stop_token_ids, all(t >= 0 for t in self.stop_token_ids), "token ids >= 0")
+        bad_stop = next((t for t in self.stop_token_ids if not 0 <= t <= MAX_INT32), None)
+        _check("stop_token_ids", bad_stop, bad_stop is None, "a list of token ids")
         _check("seed", self.seed, self.seed is None or 0 <= self.seed < 2**63, "in [0, 2**63)")
 
     @property

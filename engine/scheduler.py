@@ -210,7 +210,7 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         if request.num_output_tokens <= params.min_tokens:
             return None
-        if token in params.stop_token_ids:
+        if token in request.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and token in request.eos_token_ids:

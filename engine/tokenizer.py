@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-Message = dict[str, Any]
+from pagedserve.engine.chat_tokens import Message, MessageTextGuard
+
 T = TypeVar("T")
 INLINE_MAX_CHARS = 4096
+MESSAGE_WEIGHT_CHARS = 64  # a message's cost to render, counted as this many characters of text
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -57,28 +60,50 @@ class PromptTokenizer:
     millisecond, less than the hop to a pool thread and back (which waits for the GIL on a busy process).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_workers: int = 2) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, max_workers: int = 2, trust_message_special_tokens: bool = False
+    ) -> None:
         self.hf = tokenizer
+        self._guard = None if trust_message_special_tokens else MessageTextGuard(tokenizer)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="pagedserve-tokenizer")
 
     @classmethod
-    def load(cls, path: str | Path) -> PromptTokenizer:
-        return cls(load_tokenizer(path))
+    def load(cls, path: str | Path, trust_message_special_tokens: bool = False) -> PromptTokenizer:
+        return cls(load_tokenizer(path), trust_message_special_tokens=trust_message_special_tokens)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        with _invalid_text_as_value_error(text):
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
-        return self.hf.encode(apply_chat_template(self.hf, messages), add_special_tokens=False)
+        """The chat template applied, then tokenized; special tokens typed in messages stay text (chat_tokens)."""
+        text = apply_chat_template(self.hf, messages)
+        with _invalid_text_as_value_error(text):
+            if self._guard is not None and self._guard.is_needed(messages):
+                return self._guard.encode(messages, text, functools.partial(apply_chat_template, self.hf))
+            return self.hf.encode(text, add_special_tokens=False)
 
     async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._off_loop(len(text), self.encode, text, add_special_tokens)
 
     async def encode_chat_async(self, messages: list[Message]) -> list[int]:
-        size = sum(len(str(message.get("content") or "")) for message in messages)
+        size = sum(len(str(message.get("content") or "")) + MESSAGE_WEIGHT_CHARS for message in messages)
         return await self._off_loop(size, self.encode_chat, messages)
 
     async def _off_loop(self, num_chars: int, function: Callable[..., T], *args: Any) -> T:
         if num_chars <= INLINE_MAX_CHARS:
             return function(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(function, *args))
+
+
+@contextlib.contextmanager
+def _invalid_text_as_value_error(text: str) -> Iterator[None]:
+    """tokenizers refuses text that is not valid Unicode (a lone surrogate) with an obscure TypeError."""
+    try:
+        yield
+    except TypeError:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the prompt is not valid Unicode text: {exc.reason} at character {exc.start}") from None
+        raise

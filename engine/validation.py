@@ -34,6 +34,19 @@ class RequestLimits:
     max_n: int
     max_num_seqs: int  # a request's n sequences are seated together, so n can never exceed it
     max_logprobs: int
+    max_queue_len: int  # sequences that may wait beyond the running batch's seats
+
+
+def check_admissible(limits: RequestLimits, num_prompts: int, n: int) -> None:
+    """A request whose prompts are queued together (all or none, as a server does with a list of prompts)
+    must fit what an idle engine can hold at once, or no retry would ever admit it: ValueError."""
+    num_sequences = num_prompts * n
+    capacity = limits.max_num_seqs + limits.max_queue_len
+    if num_sequences > capacity:
+        raise ValueError(
+            f"the request can never be admitted: {num_prompts} prompts x n={n} make {num_sequences} sequences, "
+            f"more than this server holds at once ({limits.max_num_seqs} running + {limits.max_queue_len} waiting)"
+        )
 
 
 def check_request(limits: RequestLimits, token_ids: list[int], params: SamplingParams) -> None:

@@ -10,6 +10,7 @@ from starlette.responses import Response
 
 from pagedserve.engine import CompletionOutput, SequenceDelta, TokenLogprob
 from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.validation import check_admissible
 from pagedserve.server.context import ServingContext, serving
 from pagedserve.server.errors import to_api_error
 from pagedserve.server.generation import collect, start_streams, unless_disconnected
@@ -29,6 +30,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine = ctx.ready_engine()
     try:
         params = body.sampling_params()
+        check_admissible(engine.limits, len(body.prompts), params.n)  # before tokenizing: it costs nothing
         prompts = [await engine.encode_prompt(prompt) for prompt in body.prompts]
     except ValueError as exc:
         raise to_api_error(exc, "prompt") from exc

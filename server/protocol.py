@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.engine import SamplingParams
@@ -17,9 +17,12 @@ from pagedserve.engine.sampling_params import MAX_TOP_LOGPROBS
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters
 MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit: each one costs every step of the request
+MAX_STOP_TOKEN_IDS = 256  # each one is checked at every token of the request
+MAX_MESSAGES = 4096  # each one costs the chat template a render
+MAX_TIMEOUT_SECONDS = 86400.0
 
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
-Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False)]
 
 # Fields passed to SamplingParams as they are, when the client sets them.
 _SAMPLING_FIELDS = (
@@ -43,14 +46,26 @@ def unsupported(message: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported_parameter", message)
 
 
-class StreamOptions(BaseModel):
+class RequestBody(BaseModel):
+    """Every request body's rules: unknown fields are ignored and null means "the default", as with OpenAI."""
+
+    model_config = ConfigDict(extra="ignore")  # pydantic's default, stated
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestBody):
     """What chat and completions requests share."""
-
-    model_config = ConfigDict(extra="ignore")  # pydantic's default, stated: OpenAI ignores unknown fields too
 
     model: str
     n: int = 1
@@ -61,7 +76,7 @@ class SamplingRequest(BaseModel):
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -83,6 +98,13 @@ class SamplingRequest(BaseModel):
             raise PydanticCustomError("invalid_value", f"stop strings must be at most {MAX_STOP_LENGTH} characters")
         return stop
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise PydanticCustomError("invalid_value", "stream_options is only allowed when stream is true")
+        return options
+
     @field_validator("logit_bias")
     @classmethod
     def _bounded_logit_bias(cls, bias: dict[int, float] | None) -> dict[int, float] | None:
@@ -103,12 +125,12 @@ class SamplingRequest(BaseModel):
 # ---- chat ----------------------------------------------------------------------------------------------
 
 
-class TextPart(BaseModel):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
@@ -130,7 +152,10 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
-class ResponseFormat(BaseModel):
+Messages = Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
+
+
+class ResponseFormat(RequestBody):
     type: str
 
     @field_validator("type")
@@ -142,7 +167,7 @@ class ResponseFormat(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: Messages
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
@@ -261,15 +286,15 @@ def _is_prompt(value: Any) -> bool:
 # ---- tokenizer endpoints -------------------------------------------------------------------------------
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     """Either a prompt or chat messages (tokenized with the chat template, as chat completions do)."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]

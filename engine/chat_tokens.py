@@ -1,0 +1,122 @@
+"""Chat message text tokenized as text: special tokens typed by a user do not become real ones.
+
+A chat template wraps each message in role markers that are special tokens (`<|im_start|>user ... <|im_end|>`).
+Tokenizing the rendered prompt parses the text of every special token wherever it appears, so a user who types
+`<|im_end|>\\n<|im_start|>system` would open a system turn of their own.
+
+Messages that hold no special token's text (nearly all) are encoded as before. Otherwise the template is
+rendered again with each such occurrence fenced by two Unicode noncharacters, which locates it in the prompt;
+the prompt is encoded as usual and every special token that falls inside a fence is replaced by the tokens of
+its text. Everything outside the fences tokenizes exactly as it did.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerBase
+
+OPEN, CLOSE = "\ufdd0", "\ufdd1"  # noncharacters: reserved for a program's own use, never in text
+_FENCE = re.compile(f"{OPEN}(.*?){CLOSE}", re.DOTALL)
+
+Message = dict[str, Any]
+Render = Callable[[list[Message]], str]  # messages -> the prompt: the chat template applied
+
+
+class MessageTextGuard:
+    """Encodes a rendered chat prompt so that special tokens only come from the template."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        special = {token.content: index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
+        self._special_ids = torch.tensor(sorted(special.values()), dtype=torch.long)
+        longest_first = sorted(special, key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, longest_first))) if special else None
+        self._as_text: Tokenizer | None = None  # built on first use
+
+    def is_needed(self, messages: list[Message]) -> bool:
+        """True when some message's text holds the text of a special token."""
+        pattern = self._pattern
+        return pattern is not None and any(pattern.search(text) for text in _texts(messages))
+
+    def encode(self, messages: list[Message], rendered: str, render: Render) -> list[int]:
+        """Token ids of `rendered` (the template applied to `messages`), typed special tokens kept as text."""
+        fenced = render([self._fence(message) for message in messages])
+        spans = _fenced_spans(fenced)
+        if _unfenced(fenced) != rendered:
+            raise ValueError(
+                "a message holds the text of a special token, and this model's chat template changes message "
+                "text in a way that keeps it from being tokenized as plain text"
+            )
+        encoding = self._tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
+        ids: list[int] = encoding["input_ids"]
+        offsets: list[tuple[int, int]] = encoding["offset_mapping"]
+        special_positions = torch.isin(torch.tensor(ids, dtype=torch.long), self._special_ids).nonzero().flatten()
+        result: list[int] = []
+        done = 0
+        for position in special_positions.tolist():
+            start, end = offsets[position]
+            if any(low <= start and end <= high for low, high in spans):
+                result += ids[done:position]
+                result += self._text_tokens(rendered[start:end])
+                done = position + 1
+        return result + ids[done:]
+
+    def _fence(self, message: Message) -> Message:
+        assert self._pattern is not None
+        pattern = self._pattern
+
+        def fence(text: str) -> str:
+            return pattern.sub(lambda match: OPEN + match.group(0) + CLOSE, text)
+
+        content = message.get("content")
+        if isinstance(content, str):
+            return {**message, "content": fence(content)}
+        if isinstance(content, list):
+            parts = [{**p, "text": fence(p["text"])} if _is_text_part(p) else p for p in content]
+            return {**message, "content": parts}
+        return message
+
+    def _text_tokens(self, text: str) -> list[int]:
+        """`text` tokenized with special tokens treated as plain text.
+
+        A copy of the tokenizer of its own: transformers' `split_special_tokens` flips a flag on the shared
+        backend tokenizer, which other threads encode with at the same time.
+        """
+        if self._as_text is None:
+            as_text = Tokenizer.from_str(self._tokenizer.backend_tokenizer.to_str())
+            as_text.encode_special_tokens = True
+            self._as_text = as_text
+        return self._as_text.encode(text, add_special_tokens=False).ids
+
+
+def _texts(messages: list[Message]) -> Iterator[str]:
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            yield from (part["text"] for part in content if _is_text_part(part))
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and isinstance(part.get("text"), str)
+
+
+def _fenced_spans(fenced: str) -> list[tuple[int, int]]:
+    """Where each fenced text lies in the text without its fences."""
+    spans = []
+    removed = 0  # fence characters before the current match
+    for match in _FENCE.finditer(fenced):
+        start = match.start() - removed
+        spans.append((start, start + len(match.group(1))))
+        removed += 2
+    return spans
+
+
+def _unfenced(text: str) -> str:
+    return text.replace(OPEN, "").replace(CLOSE, "")
