@@ -19,7 +19,8 @@ from pagedserve.server.app import create_app
 from pagedserve.server.benchmark.command import add_bench_commands
 from pagedserve.server.context import ServerSettings
 from pagedserve.server.engine_args import add_engine_args, engine_config
-from pagedserve.server.logs import LOG_FORMATS, configure_logging
+from pagedserve.server.http_protocol import guarded_protocol
+from pagedserve.server.logs import LOG_FORMATS, configure_logging, uvicorn_text_logging
 from pagedserve.server.offline import LOG_LEVELS
 from pagedserve.server.shutdown import ABORT_GRACE_SECONDS, DrainingServer
 
@@ -84,6 +85,21 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--max-request-bytes", type=_positive(int), default=1 << 20, help="larger bodies get 413 (default: 1 MiB)"
     )
     http.add_argument(
+        "--header-timeout",
+        type=_positive(float),
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection whose request headers are not complete this long after it opened or after its "
+        "previous answer: slow or idle clients cannot hold connections (default: 10)",
+    )
+    http.add_argument(
+        "--max-connections",
+        type=_positive(int),
+        default=1024,
+        metavar="N",
+        help="open connections, idle ones included; more are answered 503 and closed (default: 1024)",
+    )
+    http.add_argument(
         "--shutdown-timeout",
         type=_positive(float),
         default=30.0,
@@ -121,8 +137,9 @@ def serve_command(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        log_config=None if args.log_format == "json" else uvicorn.config.LOGGING_CONFIG,  # None: ours, via root
+        log_config=None if args.log_format == "json" else uvicorn_text_logging(),  # None: ours, via root
         timeout_graceful_shutdown=ABORT_GRACE_SECONDS,  # the drain has already run when uvicorn waits
+        http=guarded_protocol(args.header_timeout, args.max_connections),
     )
     server = DrainingServer(uvicorn_config, app.state.serving, args.shutdown_timeout)
     engine.on_death(lambda: _stop_serving(server))

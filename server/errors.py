@@ -118,6 +118,11 @@ def as_api_error(exc: Exception) -> APIError:
     if isinstance(exc, RequestTimeoutError):
         return server_error(504, f"{exc}: it was aborted", "request_timeout")
     logger.error("generation failed", exc_info=exc)
+    return internal_error()
+
+
+def internal_error() -> APIError:
+    """What a client sees of a bug: no detail (it is in the log, under the request's id)."""
     return server_error(500, "internal server error", "internal_error")
 
 
@@ -150,6 +155,9 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Known failures only: anything else is answered 500 by RequestContextMiddleware, inside the request's
+    context (its X-Request-Id, its request-log line) and without closing the connection."""
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return _answer(request, exc)
@@ -177,12 +185,6 @@ def install_error_handlers(app: FastAPI) -> None:
         logger.debug("request %s: the client hung up; its generation was aborted", request.state.request_id)
         request.state.record.error_code = "client_closed"
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-        request_id = getattr(request.state, "request_id", None)
-        logger.error("request %s failed", request_id, exc_info=exc)
-        return _answer(request, server_error(500, "internal server error", "internal_error"))
 
 
 def _answer(request: Request, error: APIError) -> JSONResponse:

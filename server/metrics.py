@@ -23,6 +23,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 500000
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Any token is a valid method to HTTP parsers: a label per made-up one would grow the registry without bound.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
 
 
 class ServerMetrics(EngineObserver):
@@ -57,7 +59,10 @@ class ServerMetrics(EngineObserver):
         return generate_latest(self.registry)
 
     def observe_http(self, route: str, method: str, status: int) -> None:
-        self.http_requests.labels(route, method, str(status)).inc()
+        """`route` is a template or "unmatched", never a raw path; methods outside HTTP's standard ones are
+        "other": the labels a client controls take few values."""
+        label = method if method in HTTP_METHODS else "other"
+        self.http_requests.labels(route, label, str(status)).inc()
 
     # ---- EngineObserver (engine thread) ------------------------------------------------------------
 

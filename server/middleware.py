@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import email.message
 import hmac
+import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass
@@ -12,8 +15,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.engine import QueueFullError
 from pagedserve.server.context import ServingContext
-from pagedserve.server.errors import APIError, to_api_error
+from pagedserve.server.errors import CLIENT_CLOSED_REQUEST, APIError, internal_error, invalid_request, to_api_error
 from pagedserve.server.logs import RequestRecord
+
+logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _VALID_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe in logs and headers
@@ -23,7 +28,12 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 class RequestContextMiddleware:
     """Names each request (the client's X-Request-Id, else a new one; echoed back), counts it in flight for the
-    shutdown drain, and at its end counts its response and writes its request-log line."""
+    shutdown drain, and at its end counts its response and writes its request-log line.
+
+    It also answers any unexpected exception: here, inside the request's context, the 500 carries the request id
+    and lands in the request log, and returning (not re-raising, as Starlette's ServerErrorMiddleware does) keeps
+    uvicorn from logging a second traceback and closing the keep-alive connection.
+    """
 
     def __init__(self, app: ASGIApp, serving: ServingContext) -> None:
         self.app = app
@@ -38,8 +48,12 @@ class RequestContextMiddleware:
         record = RequestRecord(request_id, scope["method"], scope["path"])
         scope.setdefault("state", {}).update(request_id=request_id, record=record)
 
+        started = False
+
         async def send_with_id(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 record.status = message["status"]
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
             await send(message)
@@ -49,6 +63,13 @@ class RequestContextMiddleware:
         self.serving.in_flight += in_flight
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            logger.error("request %s failed", request_id, exc_info=exc)
+            error = internal_error()
+            record.error_code = error.code
+            if not started:
+                await error.response()(scope, receive, send_with_id)
+            # else the response is cut short: uvicorn closes the connection, which tells the client it broke
         finally:
             self.serving.in_flight -= in_flight
             route = getattr(scope.get("route"), "path", "unmatched")  # the template, not the raw path
@@ -58,7 +79,9 @@ class RequestContextMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuses request bodies over `max_bytes` with 413, before anything parses them.
+    """Refuses request bodies over `max_bytes` with 413, and JSON bodies holding a lone UTF-16 surrogate with 400
+    `invalid_unicode`, before anything parses them. A client that hangs up before its body is in is recorded as
+    499 `client_closed`, and the app never runs.
 
     The body is read here (up to the limit) and replayed to the app: a chunked body has no length to check
     up front, and a limit hit halfway through the app's own read could no longer become a clean 413.
@@ -72,9 +95,10 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = Headers(scope=scope).get("content-length", "")
+        headers = Headers(scope=scope)
+        declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, receive, send)
+            await self._refuse(scope, receive, send, self._too_large())
             return
         chunks: list[bytes] = []
         size = 0
@@ -83,33 +107,94 @@ class BodyLimitMiddleware:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await self._refuse(scope, receive, send)
+                await self._refuse(scope, receive, send, self._too_large())
                 return
             if not message.get("more_body", False):
                 message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
                 break
             message = await receive()
+        if message["type"] == "http.disconnect":
+            _client_closed(scope)
+            return
         record = _record(scope)
         if record is not None:
             record.received()
-        pending = [message]  # the whole body, or the disconnect that cut it short
+        if _is_json(headers) and has_lone_surrogate(message["body"]):
+            await self._refuse(scope, receive, send, _invalid_unicode())
+            return
+        pending = [message]  # the whole body
 
         async def replay() -> Message:
             return pending.pop() if pending else await receive()
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = APIError(413, f"the request body is over {self.max_bytes} bytes", code="request_too_large")
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is over {self.max_bytes} bytes", code="request_too_large")
+
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
         record = _record(scope)
         if record is not None:
             record.error_code = error.code
         await error.response()(scope, receive, send)
 
 
+def _invalid_unicode() -> APIError:
+    message = "the request body holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair)"
+    message += ": it is not valid Unicode text"
+    return invalid_request(message, "invalid_unicode")
+
+
+# A high-surrogate escape not followed by a low one, or a low one not preceded by a high one. It may match
+# where no surrogate is (an escaped backslash then "ud800" is plain text): has_lone_surrogate checks exactly.
+_HIGH, _LOW = rb"\\ud[89ab][0-9a-f]{2}", rb"\\ud[c-f][0-9a-f]{2}"
+_LONE_SURROGATE_ESCAPE = re.compile(rb"%s(?!%s)|(?<!%s)%s" % (_HIGH, _LOW, _HIGH, _LOW), re.IGNORECASE)
+
+
+def has_lone_surrogate(body: bytes) -> bool:
+    """Whether a JSON body decodes to a string holding an unpaired surrogate: no tokenizer, nor the UTF-8 JSON
+    encoder of an answer echoing it, can take one. The regex keeps the exact check off ordinary bodies."""
+    if not _LONE_SURROGATE_ESCAPE.search(body):
+        return False
+    try:
+        json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # before ValueError, its base class
+        return True
+    except (ValueError, RecursionError):  # not JSON, or too deep to read: the app's own parsing answers that
+        return False
+    return False
+
+
+def _is_json(headers: Headers) -> bool:
+    """Whether the app reads the body as JSON: no content type, application/json or application/*+json."""
+    content_type = headers.get("content-type")
+    if not content_type:
+        return True
+    parsed = email.message.Message()
+    parsed["content-type"] = content_type
+    subtype = parsed.get_content_subtype()
+    return parsed.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def _client_closed(scope: Scope) -> None:
+    """The client hung up before its body was in: nobody reads an answer, the log and metrics show a 499."""
+    record = _record(scope)
+    if record is None:
+        return
+    if scope["path"] in GENERATION_PATHS:  # the router never runs: other paths count as "unmatched"
+        scope["route"] = _RouteLabel(scope["path"])
+    record.status = CLIENT_CLOSED_REQUEST
+    record.error_code = "client_closed"
+    logger.debug("request %s: the client hung up before its body was in", record.request_id)
+
+
 @dataclass(frozen=True)
-class _ShedRoute:
-    path: str  # what the HTTP metrics label a request with (a routed request's APIRoute has it too)
+class _RouteLabel:
+    """The route of a request the router never saw, for the HTTP metrics: one of a few fixed paths, never one
+    a client made up (a routed request's APIRoute has a `path` too)."""
+
+    path: str
 
 
 class LoadSheddingMiddleware:
@@ -127,7 +212,7 @@ class LoadSheddingMiddleware:
             try:
                 self.serving.engine.check_admission()
             except QueueFullError as exc:
-                scope["route"] = _ShedRoute(scope["path"])
+                scope["route"] = _RouteLabel(scope["path"])
                 error = to_api_error(exc, "prompt")
                 record = _record(scope)
                 if record is not None:
@@ -143,11 +228,12 @@ def _record(scope: Scope) -> RequestRecord | None:
 
 
 class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every route but the probes and /metrics."""
+    """Requires `Authorization: Bearer <key>` on every route but the probes and /metrics (the scheme in any case,
+    as RFC 7235 has it; the key compared in constant time)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
@@ -162,5 +248,6 @@ class ApiKeyMiddleware:
         await error.response()(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        given = Headers(scope=scope).get("authorization", "").encode()
-        return hmac.compare_digest(given, self._expected)
+        scheme, _, key = Headers(scope=scope).get("authorization", "").partition(" ")
+        # Headers decodes as Latin-1: encoding back gives the bytes the client sent.
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip(" ").encode("latin-1"), self._expected)
