@@ -55,9 +55,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest run of cached full blocks at the start of the request, and the tokens they hold.
 
-        The last token is never served from cache: its logits are needed to sample the next one.
+        The last token is never served from cache: its logits are needed to sample the next one. Nor is any
+        token of a request that wants prompt logprobs: a cached block has no hidden states to score.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
             return [], 0
         self._update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -19,7 +19,7 @@ from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.kv_sizing import plan_kv_cache
 from pagedserve.engine.model_loader import LoadedModel, load_model
 from pagedserve.engine.model_runner import ModelRunner, allocate_kv_caches
-from pagedserve.engine.outputs import RequestMetrics, SequenceDelta, TokenLogprob
+from pagedserve.engine.outputs import PromptLogprobs, RequestMetrics, SequenceDelta, TokenLogprob
 from pagedserve.engine.parallel_sampling import RequestGroups, expand_logits, make_samples, sibling_rows
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.sampler import Sampler
@@ -192,11 +192,14 @@ class LLMEngine:
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
             ids = {s.request.parent_id for s in out.scheduled}
             return [d for rid in ids for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, str(exc))]
-        sampled, failed = self._sample(out, logits)
+        for item in out.scheduled:
+            item.request.prompt_logprobs += logits.prompt_logprobs.get(item.request.request_id, [])
+        sampled, failed = self._sample(out, logits.sampling)
         deltas = [d for rid, why in failed.items() for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, why)]
         progressed = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
         for request in progressed:
             deltas += self._delta_or_failure(request, sampled[request.request_id][1])
+        deltas += self._finish_prompt_only(out)
         self._record_step(progressed, start)
         return deltas
 
@@ -229,6 +232,16 @@ class LLMEngine:
                 continue
             sampled[request.request_id] = (alone.token_ids[0], alone.logprobs[0])
         return sampled, failed
+
+    def _finish_prompt_only(self, out: SchedulerOutput) -> list[SequenceDelta]:
+        """Requests with max_tokens 0 end once their prompt is computed (scored), with no token."""
+        deltas = []
+        for item in out.scheduled:
+            request = item.request
+            if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+                deltas.append(self._final_delta(request, None))
+        return deltas
 
     def _delta_or_failure(self, request: Request, logprob: TokenLogprob | None) -> list[SequenceDelta]:
         """The sequence's delta for this step; if building it fails (detokenization), its request's end."""
@@ -263,6 +276,7 @@ class LLMEngine:
             new_token_ids=[token],
             new_text=text,
             new_logprobs=None if logprob is None else [logprob],
+            prompt_logprobs=_prompt_logprobs(request) if request.num_output_tokens == 1 else None,
         )
         if request.is_finished:
             self._complete(request, delta)
@@ -299,6 +313,8 @@ class LLMEngine:
         """The last delta of a sequence ended outside the sampling path (abort, error): held-back text only."""
         detokenizer = self._detokenizers.get(request.request_id)
         delta = SequenceDelta(request.parent_id, request.index, [], detokenizer.flush() if detokenizer else "")
+        if request.num_output_tokens == 0 and error is None:
+            delta.prompt_logprobs = _prompt_logprobs(request)
         self._complete(request, delta, error)
         return delta
 
@@ -327,3 +343,10 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
+
+
+def _prompt_logprobs(request: Request) -> PromptLogprobs | None:
+    """The request's prompt logprobs in full (the first token has none), once its prompt is computed."""
+    if request.params.prompt_logprobs is None or len(request.prompt_logprobs) < request.num_prompt_tokens - 1:
+        return None
+    return [None, *request.prompt_logprobs]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,6 +12,8 @@ from pagedserve.engine.cuda_graphs import Capture, DecodeGraphs
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.kv_sizing import kv_cache_shape
 from pagedserve.engine.models import KVCache, LlamaForCausalLM, ModelSpec
+from pagedserve.engine.outputs import TokenLogprob
+from pagedserve.engine.prompt_logprobs import PromptRows, rows_to_score, score
 from pagedserve.engine.scheduler import ScheduledRequest
 from pagedserve.kernels import AttentionMetadata, KernelBackend
 
@@ -22,6 +24,13 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [R] rows of the last token of each sampling request
+    prompt_rows: list[PromptRows] = field(default_factory=list)  # rows whose prompt logprobs were asked for
+
+
+@dataclass
+class StepLogits:
+    sampling: torch.Tensor  # [R, vocab] float32, one row per scheduled request that samples
+    prompt_logprobs: dict[str, list[TokenLogprob]]  # new prompt logprobs by sequence id
 
 
 def allocate_kv_caches(
@@ -97,6 +106,7 @@ class ModelRunner:
             positions=to_device(positions),
             metadata=self.backend.prepare(metadata),
             logits_indices=to_device(logits_indices.long()),
+            prompt_rows=rows_to_score(scheduled, query_start_loc),
         )
 
     @staticmethod
@@ -118,8 +128,8 @@ class ModelRunner:
             v_cache.index_copy_(0, destination, v_cache.index_select(0, source))
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]] | None = None) -> torch.Tensor:
-        """Logits [R, vocab] (float32) for the scheduled requests that sample this step."""
+    def execute(self, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]] | None = None) -> StepLogits:
+        """Logits for the scheduled requests that sample this step, and the prompt logprobs asked for."""
         if copies:
             self.copy_blocks(copies)
         inputs = self.prepare(scheduled)
@@ -129,6 +139,7 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        prompt = score(self.model.compute_logits, hidden, inputs.prompt_rows) if inputs.prompt_rows else {}
         self.forward_seconds += time.perf_counter() - start
         self.num_tokens_processed += len(inputs.input_ids)
-        return logits
+        return StepLogits(logits, prompt)

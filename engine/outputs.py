@@ -10,6 +10,10 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # the most likely tokens, best first
+    rank: int | None = None  # 1 = the most likely token; given with prompt logprobs
+
+
+PromptLogprobs = list[TokenLogprob | None]  # one per prompt token; the first is None (nothing precedes it)
 
 
 @dataclass
@@ -30,6 +34,7 @@ class SequenceDelta:
     new_token_ids: list[int]
     new_text: str
     new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs set: on the sequence's first delta
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token that ended it
     # Set on the finishing delta:
@@ -50,12 +55,15 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     metrics: RequestMetrics | None = None
 
     def extend(self, delta: SequenceDelta) -> None:
         self.text += delta.new_text
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.token_ids.extend(delta.new_token_ids)
         if delta.new_logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.new_logprobs

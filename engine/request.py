@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.engine.outputs import TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
 
 
@@ -64,6 +65,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # of this request's full blocks, filled by the KV manager
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
+        self.prompt_logprobs: list[TokenLogprob] = []  # of prompt tokens 1, 2, ... so far (prompt_logprobs set)
         self.times = RequestTimes() if arrival_time is None else RequestTimes(arrival=arrival_time)
         self.generator: torch.Generator | None = None
         if seed is not None:

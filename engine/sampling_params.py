@@ -12,7 +12,7 @@ MAX_INT32 = 2**31 - 1  # the bound of every count: a vocabulary, a context, a ba
 @dataclass
 class SamplingParams:
     n: int = 1
-    max_tokens: int | None = 16  # None = until the context is full
+    max_tokens: int | None = 16  # None = until the context is full; 0 = score the prompt only (n must be 1)
     min_tokens: int = 0
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -27,6 +27,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; k >= 0 = the chosen token's plus the top k
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix cache)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: token ids only (benchmarks, clients that decode themselves)
@@ -44,7 +45,9 @@ class SamplingParams:
     def validate(self) -> None:
         _check("n", self.n, 1 <= self.n <= MAX_INT32, f"in [1, {MAX_INT32}]")
         max_tokens = self.max_tokens
-        _check("max_tokens", max_tokens, max_tokens is None or 1 <= max_tokens <= MAX_INT32, f"in [1, {MAX_INT32}]")
+        _check("max_tokens", max_tokens, max_tokens is None or 0 <= max_tokens <= MAX_INT32, f"in [0, {MAX_INT32}]")
+        if max_tokens == 0 and self.n > 1:
+            raise ValueError(f"n must be 1 when max_tokens is 0 (the prompt is only scored), got {self.n}")
         _check("min_tokens", self.min_tokens, 0 <= self.min_tokens <= MAX_INT32, f"in [0, {MAX_INT32}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
@@ -65,13 +68,9 @@ class SamplingParams:
         for token, bias in self.logit_bias.items():
             _check("logit_bias", bias, _finite(bias) and -100 <= bias <= 100, "values in [-100, 100]")
             _check("logit_bias", token, 0 <= token <= MAX_INT32, "keys that are token ids")
-        if self.logprobs is not None:
-            _check(
-                "logprobs",
-                self.logprobs,
-                0 <= self.logprobs <= MAX_TOP_LOGPROBS,
-                f"in [0, {MAX_TOP_LOGPROBS}]",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(name, value, value is None or 0 <= value <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must hold non-empty strings")
         if self.stop and not self.detokenize:

@@ -29,8 +29,10 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True when this step computes the request's last known token, whose logits give the next one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """True when this step computes the request's last known token, whose logits give the next one
+        (unless the request only scores its prompt: max_tokens 0)."""
+        request = self.request
+        return request.num_computed_tokens + self.num_new_tokens == request.num_tokens and request.max_tokens > 0
 
 
 @dataclass
@@ -195,6 +197,7 @@ class Scheduler:
         for child in siblings:
             self.kv.fork(leader, child)
             child.num_computed_tokens = child.num_prompt_tokens
+            child.prompt_logprobs = leader.prompt_logprobs  # they came with the prompt's computation
             child.status = RequestStatus.RUNNING
             child.times.first_scheduled = leader.times.first_scheduled or now
             self.running.append(child)

@@ -53,8 +53,10 @@ def check_request(limits: RequestLimits, token_ids: list[int], params: SamplingP
     """Raises ValueError (or ContextLengthError) naming the offending field when the engine cannot run it."""
     check_prompt_tokens(limits, token_ids)
     params.check_token_ids(limits.vocab_size)
-    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
-        raise ValueError(f"logprobs must be <= {limits.max_logprobs}, got {params.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > limits.max_logprobs:
+            raise ValueError(f"{name} must be <= {limits.max_logprobs}, got {value}")
     if params.n > limits.max_n:
         raise ValueError(f"n must be <= {limits.max_n}, got {params.n}")
     if params.n > limits.max_num_seqs:

@@ -12,7 +12,7 @@ from pagedserve.engine import CompletionOutput, SequenceDelta, TokenLogprob
 from pagedserve.server.context import ServingContext, serving
 from pagedserve.server.errors import to_api_error
 from pagedserve.server.generation import collect, start_streams, unless_disconnected
-from pagedserve.server.logprobs import chat_logprobs
+from pagedserve.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from pagedserve.server.protocol import ChatCompletionRequest
 from pagedserve.server.responses import (
     AssistantMessage,
@@ -57,6 +57,7 @@ class ChatReply:
     def __init__(self, ctx: ServingContext, body: ChatCompletionRequest) -> None:
         self._ctx = ctx
         self._n = body.n
+        self._prompt_logprobs = body.prompt_logprobs is not None
         self._envelope = ctx.envelope("chatcmpl")
 
     def completion(self, outputs: list[CompletionOutput], usage: Usage) -> ChatCompletion:
@@ -69,7 +70,9 @@ class ChatReply:
             )
             for output in outputs
         ]
-        return ChatCompletion(**self._envelope, choices=choices, usage=usage)
+        prompt = outputs[0].prompt_logprobs if self._prompt_logprobs and outputs else None
+        scored = None if prompt is None else vllm_prompt_logprobs(prompt, self._ctx.token_texts)
+        return ChatCompletion(**self._envelope, choices=choices, usage=usage, prompt_logprobs=scored)
 
     def opening(self) -> Iterable[ChatCompletionChunk]:
         role = {"role": "assistant", "content": ""}

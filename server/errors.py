@@ -128,10 +128,10 @@ def internal_error() -> APIError:
 
 def _param_named_in(message: str, prompt_param: str) -> str | None:
     """Engine messages name the offending field first ("temperature must be in [0, 2], got 3")."""
-    if "prompt" in message:
-        return prompt_param
     match = _FIELD_AT_START.match(message)
-    return match.group(1) if match and match.group(1) in _SAMPLING_FIELDS else None
+    if match and match.group(1) in _SAMPLING_FIELDS:
+        return match.group(1)
+    return prompt_param if "prompt" in message else None
 
 
 def _retry_after() -> dict[str, str]:

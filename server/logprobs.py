@@ -7,7 +7,15 @@ import functools
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.engine import TokenLogprob
-from pagedserve.server.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pagedserve.engine.outputs import PromptLogprobs
+from pagedserve.server.responses import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprobsOut,
+    PromptTokenLogprob,
+    TopLogprob,
+)
 
 # JSON has no -inf; OpenAI clients expect a finite number for impossible tokens.
 MIN_LOGPROB = -9999.0
@@ -46,20 +54,48 @@ def chat_logprobs(items: list[TokenLogprob], texts: TokenTexts) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(
-    items: list[TokenLogprob],
-    texts: TokenTexts,
-    first_offset: int,
-) -> CompletionLogprobs:
+def completion_logprobs(items: list[TokenLogprob], texts: TokenTexts, first_offset: int) -> CompletionLogprobs:
     """`first_offset`: where the first of these tokens starts in the choice's text."""
     tokens = [texts.text(item.token_id) for item in items]
-    offsets = []
-    for token in tokens:
-        offsets.append(first_offset)
-        first_offset += len(token)
     return CompletionLogprobs(
         tokens=tokens,
         token_logprobs=[_finite(item.logprob) for item in items],
-        top_logprobs=[{texts.text(t): _finite(lp) for t, lp in item.top} for item in items],
-        text_offset=offsets,
+        top_logprobs=[_top_dict(texts, item) for item in items],
+        text_offset=_offsets(tokens, first_offset),
     )
+
+
+def echoed_prompt_logprobs(prompt_token_ids: list[int], items: PromptLogprobs, texts: TokenTexts) -> CompletionLogprobs:
+    """An echoed prompt's part of a choice's logprobs; its first token has none (null), as OpenAI did."""
+    tokens = [texts.text(token_id) for token_id in prompt_token_ids]
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[None if item is None else _finite(item.logprob) for item in items],
+        top_logprobs=[None if item is None else _top_dict(texts, item) for item in items],
+        text_offset=_offsets(tokens, 0),
+    )
+
+
+def _top_dict(texts: TokenTexts, item: TokenLogprob) -> dict[str, float]:
+    return {texts.text(token_id): _finite(logprob) for token_id, logprob in item.top}
+
+
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    offsets = []
+    for token in tokens:
+        offsets.append(start)
+        start += len(token)
+    return offsets
+
+
+def vllm_prompt_logprobs(items: PromptLogprobs, texts: TokenTexts) -> PromptLogprobsOut:
+    """vLLM's `prompt_logprobs`: per prompt token, the token and the top k by id, with rank and text."""
+
+    def entries(item: TokenLogprob) -> dict[str, PromptTokenLogprob]:
+        top = ((token_id, logprob, rank) for rank, (token_id, logprob) in enumerate(item.top, start=1))
+        return {
+            str(token_id): PromptTokenLogprob(logprob=_finite(logprob), rank=rank, decoded_token=texts.text(token_id))
+            for token_id, logprob, rank in [(item.token_id, item.logprob, item.rank), *top]
+        }
+
+    return [None if item is None else entries(item) for item in items]

@@ -87,6 +87,7 @@ class SamplingRequest(RequestBody):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
     timeout: Seconds | None = None  # the longest this request may wait to be scheduled (then 408)
+    prompt_logprobs: TopLogprobs | None = None  # vLLM's: logprobs of the prompt's tokens, with the top k
 
     @field_validator("stop")
     @classmethod
@@ -116,10 +117,14 @@ class SamplingRequest(RequestBody):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def build_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def build_sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
         """Raises ValueError, naming the field, for out-of-range values."""
         chosen = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
-        return SamplingParams(n=self.n, max_tokens=max_tokens, logprobs=logprobs, **chosen)
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **chosen
+        )
 
 
 # ---- chat ----------------------------------------------------------------------------------------------
@@ -205,10 +210,19 @@ class ChatCompletionRequest(SamplingRequest):
             raise unsupported("tool and function calling are not supported by this server")
         return choice
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, prompt_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if prompt_logprobs is not None and info.data.get("stream"):
+            raise unsupported("prompt_logprobs is not supported with stream on chat completions")
+        return prompt_logprobs
+
     def sampling_params(self) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
-        return self.build_sampling_params(max_tokens, logprobs)
+        if max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be >= 1 (0, scoring the prompt only, needs prompt_logprobs)")
+        return self.build_sampling_params(max_tokens, logprobs, self.prompt_logprobs)
 
     def template_messages(self) -> list[dict[str, str]]:
         return [message.for_template() for message in self.messages]
@@ -239,13 +253,6 @@ class CompletionRequest(SamplingRequest):
             raise PydanticCustomError("empty_array", "prompt must not be empty")
         return prompt
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_echoed_logprobs(cls, logprobs: int | None, info: ValidationInfo) -> int | None:
-        if logprobs is not None and info.data.get("echo"):
-            raise unsupported("echo with logprobs is not supported: prompt logprobs are not computed")
-        return logprobs
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, suffix: str | None) -> str | None:
@@ -267,9 +274,17 @@ class CompletionRequest(SamplingRequest):
             return [cast(str | list[int], self.prompt)]
         return cast(list[str | list[int]], self.prompt)
 
+    @property
+    def echoes_logprobs(self) -> bool:
+        """echo with logprobs: the echoed prompt's tokens come with their logprobs, as OpenAI's scoring did."""
+        return self.echo and self.logprobs is not None
+
     def sampling_params(self) -> SamplingParams:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self.build_sampling_params(max_tokens, self.logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echoes_logprobs:
+            prompt_logprobs = max(self.logprobs or 0, prompt_logprobs or 0)
+        return self.build_sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 def _is_prompt(value: Any) -> bool:

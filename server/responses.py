@@ -46,9 +46,20 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token, as OpenAI did
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptTokenLogprob(BaseModel):
+    """vLLM's `prompt_logprobs` entry, keyed by token id."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobsOut = list[dict[str, PromptTokenLogprob] | None]
 
 
 # ---- chat ----------------------------------------------------------------------------------------------
@@ -75,6 +86,7 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsOut | None = None  # vLLM's extension, when asked for
 
 
 class ChatChunkChoice(BaseModel):
@@ -102,6 +114,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None  # vLLM's extension, when asked for
 
 
 class Completion(BaseModel):

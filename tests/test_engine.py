@@ -106,7 +106,7 @@ def test_block_accounting_with_aborts(engine: LLMEngine) -> None:
         lambda: SamplingParams(temperature=-1),
         lambda: SamplingParams(top_p=0),
         lambda: SamplingParams(logprobs=21),
-        lambda: SamplingParams(max_tokens=0),
+        lambda: SamplingParams(max_tokens=-1),
         lambda: SamplingParams(n=0),
         lambda: SamplingParams(min_tokens=5, max_tokens=2),
         lambda: SamplingParams(stop=[""]),

@@ -99,7 +99,6 @@ def test_missing_model_is_400_and_unknown_model_404(url: str) -> None:
     ("body", "code", "param"),
     [
         ({"prompt": "Hi", "suffix": "end"}, "unsupported_parameter", "suffix"),
-        ({"prompt": "Hi", "echo": True, "logprobs": 1}, "unsupported_parameter", "logprobs"),
         ({"prompt": []}, "empty_array", "prompt"),
         ({"prompt": [1, "a"]}, "invalid_type", "prompt"),
         ({"prompt": [10**9]}, "invalid_value", "prompt"),

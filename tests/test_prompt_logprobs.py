@@ -1,0 +1,169 @@
+"""Prompt logprobs equal transformers' log-softmax of the same prompt, however the prefill is chunked or cached;
+through the server, OpenAI's echo scoring and vLLM's prompt_logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+
+from pagedserve.engine import SamplingParams
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.server import ServerSettings
+from tests.servers import served_engine
+from tests.test_engine import run
+
+MODEL = "smol"
+TOLERANCE = 1e-4
+TEXT = "The quick brown fox jumps over the lazy dog, then naps under a tree by the river bank. " * 3
+
+
+def hf_prompt_logprobs(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
+    """log p(token i | tokens before it), for i = 1 .. len - 1."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(token_ids[1:])[:, None]).squeeze(1)
+
+
+@pytest.fixture(scope="module")
+def prompt(smol_loaded: LoadedModel) -> list[int]:
+    return smol_loaded.tokenizer.encode(TEXT)
+
+
+@pytest.fixture(scope="module")
+def reference(smol_dir: Path, prompt: list[int]) -> torch.Tensor:
+    return hf_prompt_logprobs(smol_dir, prompt)
+
+
+def engine_for(loaded: LoadedModel, **config: object) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(loaded.model_dir), num_kv_blocks=64, **config), loaded=loaded)  # type: ignore[arg-type]
+
+
+def scored(deltas: list, index: int = 0) -> torch.Tensor:
+    first = next(d for d in deltas if d.index == index and d.prompt_logprobs is not None)
+    assert first.prompt_logprobs[0] is None
+    return torch.tensor([item.logprob for item in first.prompt_logprobs[1:]])
+
+
+def all_deltas(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
+    for request_id, (tokens, params) in requests.items():
+        engine.add_request(request_id, tokens, params)
+    deltas: dict[str, list] = {request_id: [] for request_id in requests}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            deltas[delta.request_id].append(delta)
+    return deltas
+
+
+@pytest.mark.parametrize("chunk", [2048, 32, 7])
+def test_equal_to_transformers_across_chunked_prefill(
+    smol_loaded: LoadedModel, prompt: list[int], reference: torch.Tensor, chunk: int
+) -> None:
+    engine = engine_for(smol_loaded, max_num_batched_tokens=chunk)
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2)
+    deltas = all_deltas(engine, {"a": (prompt, params), "b": (prompt[:9], SamplingParams(max_tokens=5))})["a"]
+    assert len(deltas[0].prompt_logprobs) == len(prompt)
+    assert (scored(deltas) - reference).abs().max() < TOLERANCE
+    first = deltas[0].prompt_logprobs[1]
+    assert len(first.top) == 2 and first.rank >= 1 and (first.rank == 1) == (first.token_id == first.top[0][0])
+
+
+def test_a_cached_prefix_is_recomputed_not_skipped(
+    smol_loaded: LoadedModel, prompt: list[int], reference: torch.Tensor
+) -> None:
+    engine = engine_for(smol_loaded)
+    run(engine, {"warm": (prompt, SamplingParams(max_tokens=1))})  # the prompt's blocks are now cached
+    deltas = all_deltas(engine, {"a": (prompt, SamplingParams(max_tokens=2, prompt_logprobs=0))})["a"]
+    assert (scored(deltas) - reference).abs().max() < TOLERANCE
+    assert deltas[-1].num_cached_tokens == 0
+
+
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(
+    smol_loaded: LoadedModel, prompt: list[int], reference: torch.Tensor
+) -> None:
+    engine = engine_for(smol_loaded, max_num_batched_tokens=16)
+    deltas = all_deltas(engine, {"a": (prompt, SamplingParams(max_tokens=0, prompt_logprobs=0))})["a"]
+    assert [d.new_token_ids for d in deltas] == [[]] and deltas[0].finish_reason == "length"
+    assert (scored(deltas) - reference).abs().max() < TOLERANCE
+    assert engine.kv.pool.num_free == engine.kv.num_blocks and not engine.has_unfinished_requests()
+
+
+def test_parallel_samples_share_the_prompt_scores(smol_loaded: LoadedModel, prompt: list[int]) -> None:
+    engine = engine_for(smol_loaded)
+    params = SamplingParams(n=3, max_tokens=2, temperature=1.0, seed=1, prompt_logprobs=0)
+    deltas = all_deltas(engine, {"a": (prompt, params)})["a"]
+    assert torch.equal(scored(deltas, 0), scored(deltas, 1)) and torch.equal(scored(deltas, 0), scored(deltas, 2))
+
+
+def test_max_tokens_0_needs_n_1() -> None:
+    with pytest.raises(ValueError, match="n must be 1"):
+        SamplingParams(max_tokens=0, n=2)
+
+
+# ---- through the server -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def url(smol_loaded: LoadedModel) -> Iterator[str]:
+    with served_engine(
+        EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32), smol_loaded, ServerSettings([MODEL])
+    ) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+
+
+def test_echo_scoring_like_lm_evaluation_harness(
+    client: openai.OpenAI, prompt: list[int], reference: torch.Tensor
+) -> None:
+    """What `local-completions` sends for loglikelihoods: echo, logprobs=1, max_tokens=0, token ids as prompt."""
+    reply = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0, temperature=0)
+    choice = reply.choices[0]
+    assert choice.logprobs is not None and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert len(choice.logprobs.tokens) == len(prompt) and "".join(choice.logprobs.tokens) == choice.text
+    ours = torch.tensor(choice.logprobs.token_logprobs[1:])
+    assert (ours - reference).abs().max() < TOLERANCE
+    assert abs(float(ours.sum() - reference.sum())) < 1e-3  # a sequence's loglikelihood
+    assert all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])
+    assert choice.logprobs.text_offset[:2] == [0, len(choice.logprobs.tokens[0])]
+    assert reply.usage is not None and reply.usage.completion_tokens == 0
+
+
+def test_echo_with_logprobs_and_generation_streamed(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, prompt="Once upon a time", echo=True, logprobs=2, max_tokens=4, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0]  # type: ignore[call-overload]
+    chunks = list(client.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert text == whole.text and text.startswith("Once upon a time")
+    assert whole.logprobs is not None and tokens == whole.logprobs.tokens
+    num_prompt = len(whole.logprobs.tokens) - 4
+    assert whole.logprobs.token_logprobs[0] is None and None not in whole.logprobs.token_logprobs[1:]
+    assert whole.logprobs.text_offset[num_prompt] == len("Once upon a time")
+
+
+def test_vllm_prompt_logprobs_on_both_endpoints(url: str) -> None:
+    body = {"model": MODEL, "max_tokens": 1, "prompt_logprobs": 1}
+    completion = httpx.post(f"{url}/v1/completions", json={**body, "prompt": "Hello there"}).json()
+    entries = completion["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and all(1 <= len(e) <= 2 for e in entries[1:])
+    some = next(iter(entries[1].values()))
+    assert set(some) == {"logprob", "rank", "decoded_token"}
+    chat = httpx.post(f"{url}/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.status_code == 200 and chat.json()["prompt_logprobs"][0] is None
+    streamed = httpx.post(
+        f"{url}/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    )
+    assert streamed.status_code == 400 and streamed.json()["error"]["code"] == "unsupported_parameter"
