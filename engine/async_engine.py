@@ -142,8 +142,10 @@ class AsyncEngine:
             return list(prompt)
         return await self.tokenizer.encode_async(prompt, add_special_tokens)
 
-    async def encode_chat(self, messages: list[Message]) -> list[int]:
-        return await self.tokenizer.encode_chat_async(messages)
+    async def encode_chat(
+        self, messages: list[Message], add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> list[int]:
+        return await self.tokenizer.encode_chat_async(messages, add_generation_prompt, continue_final_message)
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot

@@ -43,11 +43,20 @@ def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: PreTrainedTokenize
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase, messages: list[Message], add_generation_prompt: bool = True
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[Message],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
+    """The prompt for `messages`; with continue_final_message, the last message is left open to be continued."""
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; use the completions API instead")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
     assert isinstance(text, str)
     return text
 
@@ -75,20 +84,30 @@ class PromptTokenizer:
         with _invalid_text_as_value_error(text):
             return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, messages: list[Message]) -> list[int]:
+    def encode_chat(
+        self, messages: list[Message], add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> list[int]:
         """The chat template applied, then tokenized; special tokens typed in messages stay text (chat_tokens)."""
-        text = apply_chat_template(self.hf, messages)
+        render = functools.partial(
+            apply_chat_template,
+            self.hf,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        text = render(messages)
         with _invalid_text_as_value_error(text):
             if self._guard is not None and self._guard.is_needed(messages):
-                return self._guard.encode(messages, text, functools.partial(apply_chat_template, self.hf))
+                return self._guard.encode(messages, text, render)
             return self.hf.encode(text, add_special_tokens=False)
 
     async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._off_loop(len(text), self.encode, text, add_special_tokens)
 
-    async def encode_chat_async(self, messages: list[Message]) -> list[int]:
+    async def encode_chat_async(
+        self, messages: list[Message], add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> list[int]:
         size = sum(len(str(message.get("content") or "")) + MESSAGE_WEIGHT_CHARS for message in messages)
-        return await self._off_loop(size, self.encode_chat, messages)
+        return await self._off_loop(size, self.encode_chat, messages, add_generation_prompt, continue_final_message)
 
     async def _off_loop(self, num_chars: int, function: Callable[..., T], *args: Any) -> T:
         if num_chars <= INLINE_MAX_CHARS:

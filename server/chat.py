@@ -36,7 +36,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = ctx.ready_engine()
     try:
         params = body.sampling_params()
-        prompt = await engine.encode_chat(body.template_messages())
+        prompt = await engine.encode_chat(
+            body.template_messages(), body.add_generation_prompt, body.continue_final_message
+        )
     except ValueError as exc:
         raise to_api_error(exc, "messages") from exc
     request_id, record = request.state.request_id, request.state.record

@@ -146,6 +146,9 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     if kind == "json_invalid":
         return invalid_request("the request body is not valid JSON", code)
     location = [str(part) for part in error["loc"] if part != "body"]
+    named = error.get("ctx", {}).get("param")
+    if not location and isinstance(named, str):  # a check of the whole body that names its field
+        return invalid_request(error["msg"], code, named)
     if not location:
         return invalid_request(f"the request body must be a JSON object: {error['msg']}", code)
     param = ".".join(location)

@@ -6,13 +6,15 @@ name the field.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.engine import SamplingParams
 from pagedserve.engine.sampling_params import MAX_TOP_LOGPROBS
+from pagedserve.server import fields
+from pagedserve.server.fields import Refusal, refuse_unsupported
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters
@@ -39,6 +41,8 @@ _SAMPLING_FIELDS = (
     "logit_bias",
     "ignore_eos",
     "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
 )
 
 
@@ -65,7 +69,16 @@ class StreamOptions(RequestBody):
 
 
 class SamplingRequest(RequestBody):
-    """What chat and completions requests share."""
+    """What chat and completions requests share. Fields other servers define that would change the output and
+    that pagedserve lacks are refused (server/fields.py), never ignored."""
+
+    REFUSED: ClassVar[dict[str, Refusal]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        refuse_unsupported(data, cls.REFUSED)
+        return data
 
     model: str
     n: int = 1
@@ -83,6 +96,8 @@ class SamplingRequest(RequestBody):
     logit_bias: dict[int, float] | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
+    skip_special_tokens: bool | None = None  # vLLM's: special tokens left out of the text (default true)
+    include_stop_str_in_output: bool | None = None  # vLLM's: the matched stop string kept in the text
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
@@ -172,11 +187,15 @@ class ResponseFormat(RequestBody):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    REFUSED = fields.CHAT
+
     messages: Messages
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True  # vLLM's: open the assistant's turn after the messages
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, left open
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -210,6 +229,21 @@ class ChatCompletionRequest(SamplingRequest):
             raise unsupported("tool and function calling are not supported by this server")
         return choice
 
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continues_an_assistant_turn(cls, continues: bool, info: ValidationInfo) -> bool:
+        if not continues:
+            return continues
+        if info.data.get("add_generation_prompt", True):
+            message = "continue_final_message needs add_generation_prompt false: a turn is either continued or opened"
+            raise PydanticCustomError("invalid_value", message)
+        messages = info.data.get("messages") or []
+        if messages and messages[-1].role != "assistant":
+            raise PydanticCustomError(
+                "invalid_value", "continue_final_message needs the last message to be the assistant's"
+            )
+        return continues
+
     @field_validator("prompt_logprobs")
     @classmethod
     def _not_streamed(cls, prompt_logprobs: int | None, info: ValidationInfo) -> int | None:
@@ -236,6 +270,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint (chat 
 
 
 class CompletionRequest(SamplingRequest):
+    REFUSED = fields.COMPLETIONS
+
     prompt: Prompt
     echo: bool = False
     logprobs: TopLogprobs | None = None

@@ -24,6 +24,14 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[ModelCard(id=n, created=ctx.created, max_model_len=max_model_len) for n in names])
 
 
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, tags=["openai"])
+async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+    """One served name (ids may hold slashes, like hub names), or 404 model_not_found."""
+    ctx = serving(request)
+    ctx.check_model(model_id)
+    return ModelCard(id=model_id, created=ctx.created, max_model_len=ctx.ready_engine().limits.max_model_len)
+
+
 @router.get("/health", tags=["probes"])
 async def health(request: Request) -> JSONResponse:
     """Liveness: fails only when the engine core has died (loading counts as alive)."""
