@@ -1,0 +1,109 @@
+"""Scoring through the server, as lm-evaluation-harness's `local-completions` model does, against transformers.
+
+For each (context, continuation) pair it asks /v1/completions for `echo=true, logprobs=1, max_tokens=0` on the
+token ids of context + continuation, sums the continuation tokens' logprobs (the loglikelihood) and checks
+whether each was the greedy choice, then computes the same with transformers on the same model in float32.
+
+    python -m benchmarks.scoring [--pairs 64] [any engine flag]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import httpx
+import torch
+import transformers
+
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.server import ServerSettings, create_app
+from pagedserve.server.engine_args import add_engine_args, engine_config
+from tests.background import BackgroundServer
+
+MODEL = "scoring"
+TOLERANCE = 1e-3  # per sequence, in nats
+CONTEXTS = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "The first person to walk on the moon was",
+    "In Python, a list can be sorted with the",
+    "The largest planet in the solar system is",
+    "A group of lions is called a",
+    "The chemical symbol for gold is",
+    "Shakespeare wrote the play",
+]
+CONTINUATIONS = [" Paris.", " 100 degrees Celsius.", " Neil Armstrong.", " sorted() function.", " Jupiter.", " pride."]
+
+
+def pairs(count: int, seed: int = 0) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    return [(rng.choice(CONTEXTS) * rng.randint(1, 12), rng.choice(CONTINUATIONS)) for _ in range(count)]
+
+
+def server_scores(url: str, tokens: list[tuple[list[int], list[int]]]) -> tuple[list[tuple[float, bool]], float]:
+    """(loglikelihood, greedy) per pair, and the seconds the requests took, one at a time."""
+    results: list[tuple[float, bool]] = []
+    start = time.perf_counter()
+    with httpx.Client(base_url=url, timeout=300) as client:
+        for context, continuation in tokens:
+            body = {"model": MODEL, "prompt": context + continuation, "echo": True, "logprobs": 1, "max_tokens": 0}
+            logprobs = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+            tail = slice(len(context), None)
+            chosen = logprobs["token_logprobs"][tail]
+            best = [max(top.values()) for top in logprobs["top_logprobs"][tail]]
+            results.append((sum(chosen), all(c >= b for c, b in zip(chosen, best))))
+    return results, time.perf_counter() - start
+
+
+def reference_scores(
+    model_dir: str, tokens: list[tuple[list[int], list[int]]]
+) -> tuple[list[tuple[float, bool]], float]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    start = time.perf_counter()
+    with torch.no_grad():
+        for context, continuation in tokens:
+            ids = torch.tensor([context + continuation])
+            logprobs = torch.log_softmax(model(ids).logits[0, len(context) - 1 : -1].float(), dim=-1)
+            targets = torch.tensor(continuation)
+            chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+            results.append((float(chosen.sum()), bool((logprobs.argmax(-1) == targets).all())))
+    return results, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=64)
+    add_engine_args(parser)
+    args = parser.parse_args()
+    engine = AsyncEngine.from_config(engine_config(args)).start()
+    if not engine.wait_ready():
+        raise SystemExit(f"the engine failed to load: {engine.unavailable_reason()}")
+    tokenizer = engine.tokenizer.hf
+    tokens = [(tokenizer.encode(c), tokenizer.encode(x, add_special_tokens=False)) for c, x in pairs(args.pairs)]
+    try:
+        with BackgroundServer(create_app(engine, ServerSettings([MODEL]))) as server:
+            ours, our_seconds = server_scores(server.url, tokens)
+    finally:
+        engine.shutdown()
+    theirs, their_seconds = reference_scores(engine.info.model_dir, tokens)
+    differences = [abs(a[0] - b[0]) for a, b in zip(ours, theirs)]
+    greedy_agree = sum(a[1] == b[1] for a, b in zip(ours, theirs))
+    num_tokens = sum(len(c) + len(x) for c, x in tokens)
+    print(
+        f"{len(tokens)} pairs, {num_tokens} tokens (contexts of {min(len(c) for c, _ in tokens)}-"
+        f"{max(len(c) for c, _ in tokens)} tokens)"
+    )
+    print(
+        f"loglikelihood |pagedserve - transformers|: max {max(differences):.2e}, mean "
+        f"{sum(differences) / len(differences):.2e} nats (tolerance {TOLERANCE:g}: "
+        f"{'ok' if max(differences) < TOLERANCE else 'MISSED'})"
+    )
+    print(f"is-greedy agrees on {greedy_agree}/{len(tokens)}")
+    print(f"seconds: pagedserve over HTTP {our_seconds:.1f} (one request at a time), transformers {their_seconds:.1f}")
+
+
+if __name__ == "__main__":
+    main()
