@@ -1,12 +1,15 @@
-"""Soak: minutes of mixed traffic with clients that hang up at random, then what it left behind.
+"""Soak: minutes of mixed traffic with clients that hang up at random or attack, then what it left behind.
 
 Starts a server on 127.0.0.1 in this process and runs concurrent clients against it: mostly streaming
 completions and chats of random lengths, some with n=2, some with a short queue `timeout`; a share of the
-requests hang up at a random point. At the end it reports lost KV blocks (referenced with nothing running),
-answers that were neither complete nor a clean error (5xx other than the deliberate 503s included), and the
-growth of this process's RSS after warm-up.
+requests hang up at a random point; a share are attacks (benchmarks/hostile.py), each planned to get a given
+answer; a share are innocent probes, greedy completions whose text must equal what they gave alone before the
+traffic began. At the end it reports lost KV blocks (referenced with nothing running), answers that were
+neither complete nor a clean error (5xx other than the deliberate 503s included), attacks answered otherwise
+than planned, probes whose text changed, and the RSS growth after warm-up of the server and engine processes.
 
-    python -m benchmarks.soak [--minutes 10] [--clients 16] [--hang-up-share 0.33] [any engine flag]
+    python -m benchmarks.soak [--minutes 10] [--clients 16] [--hang-up-share 0.33] [--hostile-share 0.2]
+                              [any engine flag]
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -26,9 +30,11 @@ if __package__ in (None, ""):  # run as a file: import the project's packages, n
 import httpx
 import psutil
 
+from benchmarks.hostile import ATTACKS
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.engine_args import add_engine_args, engine_config
+from pagedserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, guarded_protocol
 from tests.background import BackgroundServer
 
 MODEL = "soak"
@@ -36,6 +42,8 @@ WORDS = ["the", "a", "cat", "sat", "on", "mat", "and", "then", "it", "ran", "far
 DELIBERATE = {"queue_full": 503, "queue_timeout": 503, "timeout": 408}  # shed load, or the client's own timeout
 BACKOFF_SECONDS = (0.2, 1.0)  # after a deliberate 503 or 408, like a client honouring Retry-After
 IDLE_TIMEOUT = 60.0  # seconds for the engine to settle once traffic stops
+PROBES = ("The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are")
+PROBE_SHARE = 0.1
 
 
 @dataclass
@@ -45,6 +53,8 @@ class SoakReport:
     completed: int = 0
     hung_up: int = 0
     deliberate: int = 0  # 503 queue_full / queue_timeout, 408 timeout: answers or final error events
+    attacks: int = 0
+    probes: int = 0  # innocent probes answered in full (and compared)
     failures: list[str] = field(default_factory=list)  # anything else
     running_after: int = 0
     kv_usage_after: float = 0.0
@@ -55,12 +65,14 @@ class SoakReport:
         rate = self.requests / self.seconds if self.seconds else 0.0
         return [
             f"{self.requests} requests in {self.seconds:.0f} s ({rate:.1f}/s): {self.completed} complete, "
-            f"{self.hung_up} hung up, {self.deliberate} deliberate 503/408",
-            f"failures (5xx other than deliberate 503s, broken answers): {len(self.failures)}",
+            f"{self.hung_up} hung up, {self.deliberate} deliberate 503/408, {self.attacks} attacks, "
+            f"{self.probes} innocent probes compared",
+            f"failures (5xx other than deliberate 503s, broken answers, attacks answered otherwise than planned, "
+            f"probes changed): {len(self.failures)}",
             *(f"  {failure}" for failure in self.failures[:10]),
             f"after: {self.running_after} requests unfinished, KV usage {self.kv_usage_after:.3f}, "
             f"{self.lost_blocks} lost blocks",
-            f"RSS growth after warm-up: {self.rss_growth_mb:+.1f} MB",
+            f"RSS growth after warm-up (server + engine core): {self.rss_growth_mb:+.1f} MB",
         ]
 
 
@@ -129,15 +141,67 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, hang_up_sha
     return False
 
 
-async def client_loop(url: str, seed: int, deadline: float, hang_up_share: float, report: SoakReport) -> None:
+@dataclass(frozen=True)
+class Traffic:
+    hang_up_share: float = 1 / 3
+    hostile_share: float = 0.0
+    probe_texts: dict[str, str] = field(default_factory=dict)  # prompt -> its greedy text alone
+
+
+async def attack(client: httpx.AsyncClient, rng: random.Random, report: SoakReport) -> None:
+    chosen = rng.choice(ATTACKS)
+    report.attacks += 1
+    try:
+        status = await chosen.send(client, MODEL, rng)
+    except httpx.HTTPError as exc:
+        report.failures.append(f"attack {chosen.name!r}: {exc!r}")
+        return
+    if status not in chosen.planned:
+        report.failures.append(f"attack {chosen.name!r}: answered {status}, planned {sorted(map(str, chosen.planned))}")
+
+
+def probe_body(prompt: str) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+
+async def probe(client: httpx.AsyncClient, rng: random.Random, traffic: Traffic, report: SoakReport) -> bool:
+    """An innocent greedy request: its text must be what it was alone. Returns True when asked to back off."""
+    prompt = rng.choice(PROBES)
+    report.requests += 1
+    response = await client.post("/v1/completions", json=probe_body(prompt))
+    if response.status_code != 200:
+        return judge_error(response.status_code, response.json(), report, f"probe {prompt!r}")
+    text = response.json()["choices"][0]["text"]
+    report.probes += 1
+    report.completed += 1
+    if text != traffic.probe_texts[prompt]:
+        report.failures.append(f"probe {prompt!r} changed: {text!r}, alone {traffic.probe_texts[prompt]!r}")
+    return False
+
+
+async def client_loop(url: str, seed: int, deadline: float, traffic: Traffic, report: SoakReport) -> None:
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         while time.monotonic() < deadline:
             try:
-                if await one_request(client, rng, hang_up_share, report):
+                draw = rng.random()
+                if draw < traffic.hostile_share:
+                    await attack(client, rng, report)
+                    back_off = False
+                elif draw < traffic.hostile_share + PROBE_SHARE and traffic.probe_texts:
+                    back_off = await probe(client, rng, traffic, report)
+                else:
+                    back_off = await one_request(client, rng, traffic.hang_up_share, report)
+                if back_off:
                     await asyncio.sleep(rng.uniform(*BACKOFF_SECONDS))
             except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
                 report.failures.append(f"client {seed}: {exc!r}")
+
+
+def probe_texts(url: str) -> dict[str, str]:
+    """Each probe's greedy text, asked alone on the idle server."""
+    with httpx.Client(base_url=url, timeout=120) as client:
+        return {p: client.post("/v1/completions", json=probe_body(p)).json()["choices"][0]["text"] for p in PROBES}
 
 
 def wait_idle(engine: AsyncEngine, timeout: float = IDLE_TIMEOUT) -> None:
@@ -148,32 +212,43 @@ def wait_idle(engine: AsyncEngine, timeout: float = IDLE_TIMEOUT) -> None:
 
 
 def soak(
-    url: str, engine: AsyncEngine, seconds: float, clients: int = 16, hang_up_share: float = 1 / 3, seed: int = 0
+    url: str,
+    engine: AsyncEngine,
+    seconds: float,
+    clients: int = 16,
+    hang_up_share: float = 1 / 3,
+    seed: int = 0,
+    hostile_share: float = 0.0,
 ) -> SoakReport:
     """Runs the traffic for `seconds` (the first fifth is warm-up), waits for the engine to settle, reports."""
     report = SoakReport()
-    process = psutil.Process()
+    processes = [psutil.Process(), *([psutil.Process(engine.info.pid)] if engine.info.pid != os.getpid() else [])]
+    traffic = Traffic(hang_up_share, hostile_share, probe_texts(url))
     start = time.monotonic()
 
-    async def traffic() -> int:
+    async def run() -> int:
         """Returns the RSS at the end of warm-up."""
         deadline = start + seconds
-        loops = [client_loop(url, seed * 1000 + i, deadline, hang_up_share, report) for i in range(clients)]
+        loops = [client_loop(url, seed * 1000 + i, deadline, traffic, report) for i in range(clients)]
         tasks = [asyncio.ensure_future(loop) for loop in loops]
         await asyncio.sleep(seconds / 5)
-        rss = process.memory_info().rss
+        rss = resident_bytes(processes)
         await asyncio.gather(*tasks)
         return rss
 
-    rss_after_warm_up = asyncio.run(traffic())
+    rss_after_warm_up = asyncio.run(run())
     report.seconds = time.monotonic() - start
     wait_idle(engine)
     snapshot = engine.snapshot()
     report.running_after = snapshot.num_unfinished
     report.kv_usage_after = snapshot.kv_cache_usage
     report.lost_blocks = engine.info.num_kv_blocks - snapshot.num_free_blocks
-    report.rss_growth_mb = (process.memory_info().rss - rss_after_warm_up) / 2**20
+    report.rss_growth_mb = (resident_bytes(processes) - rss_after_warm_up) / 2**20
     return report
+
+
+def resident_bytes(processes: list[psutil.Process]) -> int:
+    return sum(process.memory_info().rss for process in processes)
 
 
 def main() -> None:
@@ -181,6 +256,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--hang-up-share", type=float, default=1 / 3)
+    parser.add_argument("--hostile-share", type=float, default=0.2, help="share of requests that are attacks")
     parser.add_argument("--traffic-seed", type=int, default=0, help="the clients' random choices")
     add_engine_args(parser)
     args = parser.parse_args()
@@ -188,8 +264,17 @@ def main() -> None:
     if not engine.wait_ready():
         sys.exit(f"the engine failed to load: {engine.unavailable_reason()}")
     try:
-        with BackgroundServer(create_app(engine, ServerSettings([MODEL]))) as server:
-            report = soak(server.url, engine, args.minutes * 60, args.clients, args.hang_up_share, args.traffic_seed)
+        guarded = guarded_protocol(DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS)  # `pagedserve serve`'s defaults
+        with BackgroundServer(create_app(engine, ServerSettings([MODEL])), http=guarded) as server:
+            report = soak(
+                server.url,
+                engine,
+                args.minutes * 60,
+                args.clients,
+                args.hang_up_share,
+                args.traffic_seed,
+                args.hostile_share,
+            )
     finally:
         engine.shutdown()
     print("\n".join(report.lines()))

@@ -19,7 +19,7 @@ from pagedserve.server.app import create_app
 from pagedserve.server.benchmark.command import add_bench_commands
 from pagedserve.server.context import ServerSettings
 from pagedserve.server.engine_args import add_engine_args, engine_config
-from pagedserve.server.http_protocol import guarded_protocol
+from pagedserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, guarded_protocol
 from pagedserve.server.logs import LOG_FORMATS, configure_logging, uvicorn_text_logging
 from pagedserve.server.offline import LOG_LEVELS
 from pagedserve.server.shutdown import ABORT_GRACE_SECONDS, DrainingServer
@@ -87,17 +87,17 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     http.add_argument(
         "--header-timeout",
         type=_positive(float),
-        default=10.0,
+        default=DEFAULT_HEADER_TIMEOUT,
         metavar="SECONDS",
         help="close a connection whose request headers are not complete this long after it opened or after its "
-        "previous answer: slow or idle clients cannot hold connections (default: 10)",
+        "previous answer: slow or idle clients cannot hold connections (default: %(default)g)",
     )
     http.add_argument(
         "--max-connections",
         type=_positive(int),
-        default=1024,
+        default=DEFAULT_MAX_CONNECTIONS,
         metavar="N",
-        help="open connections, idle ones included; more are answered 503 and closed (default: 1024)",
+        help="open connections, idle ones included; more are answered 503 and closed (default: %(default)s)",
     )
     http.add_argument(
         "--shutdown-timeout",

@@ -29,6 +29,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from pagedserve.server.errors import RETRY_AFTER_SECONDS, server_error
 
 logger = logging.getLogger(__name__)
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds
+DEFAULT_MAX_CONNECTIONS = 1024
 REFUSAL_LINGER_SECONDS = 2.0  # how long a refused connection may keep sending before it is cut off
 REFUSAL_LOG_INTERVAL = 10.0  # a flood of refusals logs one warning per interval, not one per connection
 
@@ -76,8 +78,8 @@ class _Refusal(asyncio.Protocol):
 class GuardedH11Protocol(H11Protocol):
     """H11Protocol with a header-read timeout and a connection cap; see guarded_protocol() for its settings."""
 
-    header_timeout: float = 10.0
-    max_connections: int = 1024
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     _last_refusal_log = -REFUSAL_LOG_INTERVAL  # shared by every connection of the class
     _header_deadline: asyncio.TimerHandle | None = None
 

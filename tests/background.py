@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -12,9 +13,13 @@ from fastapi import FastAPI
 class BackgroundServer:
     """`with BackgroundServer(app) as server:` serves on 127.0.0.1 at a free port until the block ends."""
 
-    def __init__(self, app: FastAPI, log_level: str = "warning", startup_timeout: float = 30.0) -> None:
+    def __init__(
+        self, app: FastAPI, log_level: str = "warning", startup_timeout: float = 30.0, **uvicorn_options: Any
+    ) -> None:
         # A short graceful shutdown: a test that failed mid-stream must not hang on its open connection.
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level=log_level, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level=log_level, timeout_graceful_shutdown=5, **uvicorn_options
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
         self._startup_timeout = startup_timeout

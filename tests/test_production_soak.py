@@ -1,8 +1,10 @@
-"""A short soak (the CI cut of benchmarks/soak.py): mixed streaming traffic, clients hanging up, then nothing left.
+"""A short soak (the CI cut of benchmarks/soak.py): mixed streaming traffic, clients hanging up, attacks mixed
+in, then nothing left.
 
 After ~30 s of 16 clients (a third hanging up at random, some with queue timeouts, a small queue that sheds
-load), no request is running, no KV block is still referenced, RSS has not grown past a bound, and every answer
-was complete or a clean error.
+load, a fifth of the requests hostile: benchmarks/hostile.py), no request is running, no KV block is still
+referenced, RSS has not grown past a bound, every answer was complete or a clean error, every attack got its
+planned answer, and every innocent greedy probe got the text it had alone.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
 
 def test_soak_leaves_nothing_behind(engine: AsyncEngine) -> None:
     with serving(engine, ServerSettings([MODEL])) as url:
-        report = soak(url, engine, SECONDS, clients=16, seed=1)
+        report = soak(url, engine, SECONDS, clients=16, seed=1, hostile_share=0.2)
     summary = "\n".join(report.lines())
     print(summary)
-    assert report.completed > 20 and report.hung_up > 10, summary
+    assert report.completed > 20 and report.hung_up > 10 and report.attacks > 10 and report.probes > 5, summary
     assert not report.failures, summary
     assert report.running_after == 0 and report.kv_usage_after == 0.0 and report.lost_blocks == 0, summary
     assert report.rss_growth_mb < RSS_GROWTH_LIMIT_MB, summary
