@@ -6,7 +6,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.server import chat, completions, routes
+from pagedserve.server import chat, completions, openai_responses, routes
 from pagedserve.server.context import VERSION, ServerSettings, ServingContext
 from pagedserve.server.errors import install_error_handlers
 from pagedserve.server.metrics import ServerMetrics
@@ -26,7 +26,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     engine.add_observer(metrics)
     app.state.serving = ServingContext(engine, settings, metrics)
     install_error_handlers(app)
-    for module in (chat, completions, routes):
+    for module in (chat, completions, openai_responses, routes):
         app.include_router(module.router)
     # Added innermost first: request ids and counts wrap everything, CORS answers preflights before auth,
     # bodies are read only for authorized clients, and a full queue refuses before any body is parsed.
