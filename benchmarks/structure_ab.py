@@ -2,6 +2,7 @@
 serving throughput at 32 concurrent chat streams.
 
     python -m benchmarks.structure_ab --baseline COMMIT [--pairs 3] [--skip-offline] [--skip-serving]
+                                      [--baseline-flags "..."] [--current-flags "..."]
 
 The baseline is checked out into a temporary git worktree and imported through a `pagedserve` link to it
 (PYTHONPATH wins over the editable install). Runs alternate baseline/current pair by pair, each in fresh
@@ -70,10 +71,10 @@ def offline(pythonpath: Path | None, order: str) -> float:
     return json.loads(result.stdout.strip().splitlines()[-1])["tok_s"]
 
 
-def serving(pythonpath: Path | None, scratch: Path) -> float:
+def serving(pythonpath: Path | None, scratch: Path, extra_flags: list[str]) -> float:
     port = free_port()
     env = environment(pythonpath)
-    flags = ["--port", str(port), "--max-num-seqs", "32", "--log-level", "warning"]
+    flags = ["--port", str(port), "--max-num-seqs", "32", "--log-level", "warning", *extra_flags]
     server = subprocess.Popen([sys.executable, "-m", "pagedserve.server.cli", "serve", *flags], env=env, cwd="/")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-serving", action="store_true")
+    parser.add_argument("--baseline-flags", default="", help="extra `pagedserve serve` flags for the baseline")
+    parser.add_argument("--current-flags", default="", help="extra `pagedserve serve` flags for the working tree")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="structure-ab-"))
     baseline = checkout(args.baseline, scratch)
@@ -134,8 +137,8 @@ def main() -> None:
         if not args.skip_serving:
             served: dict[str, list[float]] = {"baseline": [], "current": []}
             for _ in range(args.pairs):
-                served["baseline"].append(serving(baseline, scratch))
-                served["current"].append(serving(None, scratch))
+                served["baseline"].append(serving(baseline, scratch, args.baseline_flags.split()))
+                served["current"].append(serving(None, scratch, args.current_flags.split()))
             report("serving output tok/s, 32 concurrent chat streams", served["current"], served["baseline"])
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(scratch / "tree")], check=False)
