@@ -17,6 +17,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -168,6 +169,14 @@ async def probe_health(url: str, seconds: float) -> tuple[list[float], float]:
     return latencies, max(gaps[1:], default=0.0)
 
 
+def wait_idle(url: str, timeout: float = 60.0) -> None:
+    """Until /metrics shows no request running or waiting."""
+    busy = re.compile(r"^pagedserve:num_requests_(?:running|waiting)\{[^}]*\} (?!0\.0$)", re.MULTILINE)
+    deadline = time.monotonic() + timeout
+    while busy.search(httpx.get(f"{url}/metrics").text) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def big_bodies(url: str, seconds: float, clients: int) -> tuple[list[float], float, int]:
     with multiprocessing.get_context("spawn").Pool(clients) as pool:
         posted = pool.starmap_async(post_big_bodies, [(url, seconds, i) for i in range(clients)])
@@ -205,6 +214,7 @@ def main() -> None:
         shed = asyncio.run(overload(url, args.rounds, args.burst))
         text, p99 = summary_ms(shed)
         print(f"time to 503 + Retry-After, client-side: {text}; {verdict(p99, TARGET_503_P99_MS)}")
+        wait_idle(url)  # the last burst's hung-up streams are aborted at the core's next iteration
         latencies, stall, posted = big_bodies(url, args.seconds, args.clients)
         text, p99 = summary_ms(latencies)
         print(f"{args.clients} clients posted {posted} bodies of ~{len(BIG_TEXT) // 1000} KB in {args.seconds:g} s")
