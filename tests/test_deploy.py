@@ -258,14 +258,16 @@ def test_compose_files_match_the_compose_spec() -> None:
 
 def test_compose_wires_server_prometheus_and_grafana() -> None:
     services = load_compose()["services"]
-    assert {"pagedserve", "prometheus", "grafana"} <= services.keys()
+    assert {"pagedserve", "loadbalancer", "prometheus", "grafana"} <= services.keys()
     server = services["pagedserve"]
     assert (DOCKER / server["build"]["context"] / server["build"]["dockerfile"]).resolve() == DOCKERFILE
-    assert "8000:8000" in server["ports"]
+    # Replicas behind the load balancer: only it publishes the API port.
+    assert server["expose"] == ["8000"] and "ports" not in server and server["deploy"]["replicas"] >= 2
+    assert "8000:8000" in services["loadbalancer"]["ports"]
     assert any("/health" in part for part in server["healthcheck"]["test"])
     timeout = float(flag_value(server["command"], "--shutdown-timeout") or 0)
     assert 0 < timeout < float(server["stop_grace_period"].rstrip("s"))
-    for name in ("prometheus", "grafana"):
+    for name in ("prometheus", "grafana", "loadbalancer"):
         image = services[name]["image"]
         assert re.search(r":v?\d+\.\d+\.\d+$", image), f"{name}: pin the image version ({image})"
     for service in services.values():
@@ -277,12 +279,15 @@ def test_compose_wires_server_prometheus_and_grafana() -> None:
 
 def test_prometheus_scrapes_the_compose_server() -> None:
     services = load_compose()["services"]
-    container_ports = {port.split(":")[-1] for port in services["pagedserve"]["ports"]}
+    (port,) = services["pagedserve"]["expose"]
     config = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
-    (job,) = [job for job in config["scrape_configs"] if job["job_name"] == "pagedserve"]
-    assert job.get("metrics_path", "/metrics") == "/metrics"
-    targets = [target for group in job["static_configs"] for target in group["targets"]]
-    assert targets == [f"pagedserve:{port}" for port in container_ports]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["pagedserve"].get("metrics_path", "/metrics") == "/metrics"
+    (replicas,) = jobs["pagedserve"]["dns_sd_configs"]  # every replica: Docker's DNS lists them all
+    assert replicas["names"] == ["pagedserve"] and replicas["type"] == "A" and str(replicas["port"]) == port
+    stats_port = services["loadbalancer"]["environment"]["PAGEDSERVE_LB_STATS_BIND"].rsplit(":", 1)[1]
+    (balancer,) = [target for group in jobs["loadbalancer"]["static_configs"] for target in group["targets"]]
+    assert balancer == f"loadbalancer:{stats_port}"
     mounts = services["prometheus"]["volumes"]
     assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
 
