@@ -37,7 +37,7 @@ def test_soak_leaves_nothing_behind(engine: AsyncEngine) -> None:
         report = soak(url, engine, SECONDS, clients=16, seed=1, hostile_share=0.2)
     summary = "\n".join(report.lines())
     print(summary)
-    assert report.completed > 20 and report.hung_up > 10 and report.attacks > 10 and report.probes > 5, summary
+    assert report.completed > 20 and report.hung_up > 10 and report.attacks > 5 and report.probes > 2, summary
     assert not report.failures, summary
     assert report.running_after == 0 and report.kv_usage_after == 0.0 and report.lost_blocks == 0, summary
     assert report.rss_growth_mb < RSS_GROWTH_LIMIT_MB, summary
