@@ -192,7 +192,7 @@ class LLMEngine:
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
             ids = {s.request.parent_id for s in out.scheduled}
             return [d for rid in ids for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, str(exc))]
-        for item in out.scheduled:
+        for item in out.scheduled if logits.prompt_logprobs else ():
             item.request.prompt_logprobs += logits.prompt_logprobs.get(item.request.request_id, [])
         sampled, failed = self._sample(out, logits.sampling)
         deltas = [d for rid, why in failed.items() for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, why)]

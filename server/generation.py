@@ -88,13 +88,21 @@ def raise_if_failed(delta: SequenceDelta) -> None:
         raise server_error(500, message, "engine_error")
 
 
-async def collect(streams: Streams, n: int, record: RequestRecord) -> list[CompletionOutput]:
-    """Whole outputs, indexed prompt-major like OpenAI (choice index = prompt index * n + sample)."""
-    outputs = [CompletionOutput(index=i) for i in range(len(streams) * n)]
+async def recorded(streams: Streams, record: RequestRecord) -> AsyncGenerator[tuple[int, SequenceDelta], None]:
+    """merged(streams), each delta counted in the request's record; an engine error raises (raise_if_failed).
+    Close it (contextlib.aclosing) to abort the unfinished streams."""
     async with contextlib.aclosing(merged(streams)) as deltas:
         async for prompt_index, delta in deltas:
             raise_if_failed(delta)
             record.add(prompt_index, delta)
+            yield prompt_index, delta
+
+
+async def collect(streams: Streams, n: int, record: RequestRecord) -> list[CompletionOutput]:
+    """Whole outputs, indexed prompt-major like OpenAI (choice index = prompt index * n + sample)."""
+    outputs = [CompletionOutput(index=i) for i in range(len(streams) * n)]
+    async with contextlib.aclosing(recorded(streams, record)) as deltas:
+        async for prompt_index, delta in deltas:
             outputs[prompt_index * n + delta.index].extend(delta)
     return outputs
 

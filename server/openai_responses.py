@@ -24,7 +24,7 @@ from starlette.responses import Response
 from pagedserve.engine import CompletionOutput, SamplingParams, SequenceDelta, TokenLogprob
 from pagedserve.server.context import ServingContext, serving
 from pagedserve.server.errors import APIError, as_api_error, to_api_error
-from pagedserve.server.generation import Streams, collect, merged, raise_if_failed, start_streams, unless_disconnected
+from pagedserve.server.generation import Streams, collect, recorded, start_streams, unless_disconnected
 from pagedserve.server.logprobs import chat_logprobs
 from pagedserve.server.logs import RequestRecord
 from pagedserve.server.responses import ChatTokenLogprob, Usage
@@ -197,10 +197,8 @@ async def response_events(reply: ResponseReply, streams: Streams, record: Reques
     yield event(OutputItemEvent, "response.output_item.added", output_index=0, item=reply.message("in_progress", []))
     yield event(ContentPartEvent, "response.content_part.added", **reply.where, part=OutputText(text=""))
     try:
-        async with contextlib.aclosing(merged(streams)) as deltas:
+        async with contextlib.aclosing(recorded(streams, record)) as deltas:
             async for _, delta in deltas:
-                raise_if_failed(delta)
-                record.add(0, delta)
                 logprobs = reply.add(delta)
                 if delta.new_text or logprobs:
                     text_delta = {"delta": delta.new_text, "logprobs": logprobs}

@@ -18,7 +18,7 @@ from starlette.background import BackgroundTask
 
 from pagedserve.engine import SequenceDelta
 from pagedserve.server.errors import as_api_error
-from pagedserve.server.generation import Streams, close_all, merged, raise_if_failed
+from pagedserve.server.generation import Streams, close_all, recorded
 from pagedserve.server.logs import RequestRecord
 from pagedserve.server.responses import Usage
 
@@ -53,10 +53,8 @@ async def sse_events(
     for chunk in formatter.opening():
         yield event(chunk)
     try:
-        async with contextlib.aclosing(merged(streams)) as deltas:
+        async with contextlib.aclosing(recorded(streams, record)) as deltas:
             async for prompt_index, delta in deltas:
-                raise_if_failed(delta)
-                record.add(prompt_index, delta)
                 choice = prompt_index * n + delta.index
                 content = formatter.on_delta(choice, delta)
                 if content is not None:

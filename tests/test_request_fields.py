@@ -4,7 +4,7 @@ nothing, or refused with 400 unsupported_parameter: never silently ignored."""
 from __future__ import annotations
 
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -140,14 +140,13 @@ def complete(url: str, **body: object) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=payload, timeout=60)
 
 
-@pytest.mark.parametrize("field", sorted(fields.CHAT))
-def test_refused_chat_fields_get_400(url: str, field: str) -> None:
-    assert_error(chat(url, **{field: "anything"}), 400, "unsupported_parameter", field)
-
-
-@pytest.mark.parametrize("field", sorted(fields.COMPLETIONS))
-def test_refused_completion_fields_get_400(url: str, field: str) -> None:
-    assert_error(complete(url, **{field: "anything"}), 400, "unsupported_parameter", field)
+@pytest.mark.parametrize(
+    ("send", "field"),
+    [(chat, field) for field in sorted(fields.CHAT)] + [(complete, field) for field in sorted(fields.COMPLETIONS)],
+    ids=lambda value: getattr(value, "__name__", value),
+)
+def test_refused_fields_get_400(url: str, send: Callable[..., httpx.Response], field: str) -> None:
+    assert_error(send(url, **{field: "anything"}), 400, "unsupported_parameter", field)
 
 
 def test_neutral_values_and_accepted_fields_pass(url: str) -> None:
