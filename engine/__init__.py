@@ -9,6 +9,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import QueueFullError
+from pagedserve.engine.structured_output import StructuredOutput
 from pagedserve.engine.validation import ContextLengthError, RequestLimits
 
 __all__ = [
@@ -24,5 +25,6 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SequenceDelta",
+    "StructuredOutput",
     "TokenLogprob",
 ]

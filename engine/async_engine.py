@@ -39,6 +39,7 @@ from pagedserve.engine.core_messages import (
     StepOutput,
 )
 from pagedserve.engine.core_process import CoreConnection, CoreGone, ThreadCore, connect_core
+from pagedserve.engine.grammar import GrammarCompiler
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.model_loader import LoadedModel
 from pagedserve.engine.outputs import SequenceDelta
@@ -65,6 +66,7 @@ class AsyncEngine:
         self._on_death: list[Callable[[], None]] = []
         self._info: EngineInfo | None = None
         self._tokenizer: PromptTokenizer | None = None
+        self._grammars: GrammarCompiler | None = None  # checks constraints at the door
         self.error: str | None = None  # why the core died
         self._reader = threading.Thread(target=self._read, name="pagedserve-engine-client", daemon=True)
 
@@ -179,6 +181,8 @@ class AsyncEngine:
         token_ids = await self.encode_prompt(prompt)
         info = self.info
         check_request(info.limits, token_ids, params)
+        if params.structured_output is not None and self._grammars is not None:
+            await asyncio.to_thread(self._grammars.check, params.structured_output)  # ~1 ms; the first builds
         sink = RequestSink(
             asyncio.get_running_loop(),
             params.n,
@@ -250,6 +254,7 @@ class AsyncEngine:
     def _on_ready(self, ready: Ready) -> None:
         try:
             self._tokenizer = PromptTokenizer.load(ready.info.tokenizer, ready.info.trust_message_special_tokens)
+            self._grammars = GrammarCompiler(self._tokenizer.hf, ready.info.limits.vocab_size, frozenset())
         except Exception as exc:
             logger.exception("the tokenizer failed to load")
             self._die(f"the tokenizer failed to load: {exc!r}")

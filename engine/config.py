@@ -42,6 +42,9 @@ class EngineConfig:
     # Chat message text is tokenized as plain text: "<|im_start|>" typed by a user never becomes the role marker.
     trust_message_special_tokens: bool = False  # True: special tokens typed in messages count (role markers too)
 
+    # Structured output
+    jump_forward: bool = True  # tokens a constraint forces on greedy requests are appended without a forward each
+
     # Execution
     attention_backend: str = "auto"  # auto | triton | cpu
     enforce_eager: bool = False  # disables CUDA graphs

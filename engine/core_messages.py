@@ -83,6 +83,11 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0  # tokens
     num_preemptions: int = 0
+    constrained_requests: int = 0  # requests with structured output (engine/constraints.py's counters)
+    grammar_compile_seconds: float = 0.0
+    grammar_mask_seconds: float = 0.0
+    grammar_mask_wait_seconds: float = 0.0
+    jump_forward_tokens: int = 0
 
 
 @dataclass

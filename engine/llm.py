@@ -29,6 +29,7 @@ from pagedserve.engine.core_messages import (
     StepOutput,
 )
 from pagedserve.engine.core_process import CoreGone, connect_core
+from pagedserve.engine.grammar import GrammarCompiler
 from pagedserve.engine.llm_engine import EngineStats
 from pagedserve.engine.model_loader import LoadedModel
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta
@@ -63,6 +64,7 @@ class LLM:
             raise EngineUnavailableError(f"unexpected first message from the engine core: {ready!r}")
         self.info: EngineInfo = ready.info
         self._prompts = PromptTokenizer.load(ready.info.tokenizer, ready.info.trust_message_special_tokens)
+        self._grammars = GrammarCompiler(self._prompts.hf, ready.info.limits.vocab_size, frozenset())
 
     @property
     def tokenizer(self):
@@ -148,6 +150,8 @@ class LLM:
         """The request's empty output, once it has passed check_request (ValueError otherwise)."""
         token_ids = self._prompts.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_request(self.info.limits, token_ids, params)
+        if params.structured_output is not None:
+            self._grammars.check(params.structured_output)
         return RequestOutput(
             request_id=request_id,
             prompt=prompt if isinstance(prompt, str) else None,

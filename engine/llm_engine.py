@@ -12,6 +12,7 @@ import torch
 
 from pagedserve.engine import openmp_policy
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.constraints import Constraints
 from pagedserve.engine.core_messages import EngineSnapshot
 from pagedserve.engine.cuda_graphs import cuda_graph_capture, graph_batch_sizes
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
@@ -85,6 +86,9 @@ class LLMEngine:
             max_queue_len=self.config.max_queue_len,
         )
         self.sampler = Sampler()
+        self.constraints = Constraints(
+            self.tokenizer, self.loaded.spec.vocab_size, self.loaded.eos_token_ids, self.config.jump_forward
+        )
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._children = RequestGroups()  # caller's id -> ids of its n sequences
@@ -127,6 +131,7 @@ class LLMEngine:
             eos_token_ids=self.loaded.eos_token_ids,
             arrival_time=arrival_time,
         )
+        self.constraints.attach(children)
         self.scheduler.add_requests(children)
         self._children.add(request_id, children)
         if params.detokenize:
@@ -158,6 +163,7 @@ class LLMEngine:
         return self.runner.num_tokens_processed
 
     def snapshot(self) -> EngineSnapshot:
+        constraints = self.constraints.stats()
         return EngineSnapshot(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -168,6 +174,11 @@ class LLMEngine:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            constrained_requests=constraints.num_requests,
+            grammar_compile_seconds=constraints.compile_seconds,
+            grammar_mask_seconds=constraints.mask_seconds,
+            grammar_mask_wait_seconds=constraints.mask_wait_seconds,
+            jump_forward_tokens=constraints.num_jumped_tokens,
         )
 
     def collect_stats(self, reset: bool = False) -> EngineStats:
@@ -186,33 +197,39 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return self._errors_for_stuck_requests()
+        sampling, rows = sibling_rows([s.request for s in out.scheduled if s.samples], self.scheduler.forks)
+        masks = self.constraints.start(sampling)  # filled while the forward runs
         try:
             logits = self.runner.execute(out.scheduled, self.kv.take_pending_copies())
         except Exception as exc:  # a failed forward fails its requests, not the engine
+            self.constraints.discard(masks)
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
             ids = {s.request.parent_id for s in out.scheduled}
             return [d for rid in ids for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, str(exc))]
         for item in out.scheduled if logits.prompt_logprobs else ():
             item.request.prompt_logprobs += logits.prompt_logprobs.get(item.request.request_id, [])
-        sampled, failed = self._sample(out, logits.sampling)
+        sampled, failed = self._sample(sampling, self.constraints.mask(expand_logits(logits.sampling, rows), masks))
+        tokens = {rid: token for rid, (token, _) in sampled.items()}
+        failed |= self.constraints.consume(sampling, tokens)
         deltas = [d for rid, why in failed.items() for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, why)]
-        progressed = self.scheduler.update(out, {rid: token for rid, (token, _) in sampled.items()})
+        progressed = self.scheduler.update(out, tokens)
+        jumped = self.constraints.settle(progressed, self.scheduler)
+        num_new = {r.request_id: 1 + len(jumped.get(r.request_id, ())) for r in progressed}
         for request in progressed:
-            deltas += self._delta_or_failure(request, sampled[request.request_id][1])
+            deltas += self._delta_or_failure(request, sampled[request.request_id][1], num_new[request.request_id])
         deltas += self._finish_prompt_only(out)
-        self._record_step(progressed, start)
+        self._record_step(progressed, num_new, start)
         return deltas
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> tuple[dict[str, Sampled], dict[str, str]]:
-        """The sampled token of each sequence, and the callers' ids of requests whose sampling failed (why).
+    def _sample(self, sampling: list[Request], logits: torch.Tensor) -> tuple[dict[str, Sampled], dict[str, str]]:
+        """The sampled token of each sequence (a row of `logits` each), and the callers' ids of requests whose
+        sampling failed (why).
 
         The batch is sampled at once; if that raises, row by row from the same logits, with the seeded
         generators rewound, so the rows that do not fail draw exactly what they would have in the batch.
         """
-        sampling, rows = sibling_rows([s.request for s in out.scheduled if s.samples], self.scheduler.forks)
         if not sampling:
             return {}, {}
-        logits = expand_logits(logits, rows)
         rewind = [(r.generator, r.generator.get_state()) for r in sampling if r.generator is not None]
         try:
             result = self.sampler(logits, sampling)
@@ -243,10 +260,11 @@ class LLMEngine:
                 deltas.append(self._final_delta(request, None))
         return deltas
 
-    def _delta_or_failure(self, request: Request, logprob: TokenLogprob | None) -> list[SequenceDelta]:
-        """The sequence's delta for this step; if building it fails (detokenization), its request's end."""
+    def _delta_or_failure(self, request: Request, logprob: TokenLogprob | None, num_new: int) -> list[SequenceDelta]:
+        """The sequence's delta for this step (its `num_new` last tokens); if building it fails
+        (detokenization), its request's end."""
         try:
-            return [self._delta(request, logprob)]
+            return [self._delta(request, logprob, num_new)]
         except Exception as exc:
             logger.exception("request %s: detokenization failed; failing it", request.parent_id)
             why = f"detokenization failed: {exc}"
@@ -257,14 +275,14 @@ class LLMEngine:
                 ended.append(self._final_delta(request, why))
             return ended + self._finish_group(request.parent_id, RequestStatus.FINISHED_ERROR, why)
 
-    def _delta(self, request: Request, logprob: TokenLogprob | None) -> SequenceDelta:
+    def _delta(self, request: Request, logprob: TokenLogprob | None, num_new: int) -> SequenceDelta:
         if request.times.first_token is None:
             request.times.first_token = time.monotonic()
-        token = request.output_token_ids[-1]
+        new_tokens = request.output_token_ids[-num_new:]
         text, stop_string = "", None
         detokenizer = self._detokenizers.get(request.request_id)
         if detokenizer is not None:
-            text, stop_string = detokenizer.update([token])
+            text, stop_string = detokenizer.update(new_tokens)
         if stop_string is not None and not request.is_finished:
             request.stop_reason = stop_string
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
@@ -273,10 +291,10 @@ class LLMEngine:
         delta = SequenceDelta(
             request_id=request.parent_id,
             index=request.index,
-            new_token_ids=[token],
+            new_token_ids=new_tokens,
             new_text=text,
             new_logprobs=None if logprob is None else [logprob],
-            prompt_logprobs=_prompt_logprobs(request) if request.num_output_tokens == 1 else None,
+            prompt_logprobs=_prompt_logprobs(request) if request.num_output_tokens == num_new else None,
         )
         if request.is_finished:
             self._complete(request, delta)
@@ -326,13 +344,15 @@ class LLMEngine:
         logger.error("request %s cannot fit the KV cache; failing it", head.request_id)
         return self._finish_group(head.parent_id, RequestStatus.FINISHED_ERROR, "the request does not fit the KV cache")
 
-    def _record_step(self, progressed: list[Request], start: float) -> None:
+    def _record_step(self, progressed: list[Request], num_new: dict[str, int], start: float) -> None:
         stats = self.stats
         stats.num_steps += 1
         stats.step_seconds += time.perf_counter() - start
-        stats.generation_tokens += len(progressed)
-        # A prompt counts once: at its first token (not again after a preemption), not per parallel sample.
-        stats.prompt_tokens += sum(r.num_prompt_tokens for r in progressed if r.num_output_tokens == 1 and r.index == 0)
+        stats.generation_tokens += sum(num_new.values())
+        # A prompt counts once: at its first tokens (not again after a preemption), not per parallel sample.
+        stats.prompt_tokens += sum(
+            r.num_prompt_tokens for r in progressed if r.num_output_tokens == num_new[r.request_id] and r.index == 0
+        )
         stats.peak_running = max(stats.peak_running, self.scheduler.num_running)
         slots = (self.kv.num_blocks - self.kv.pool.num_free) * self.kv.block_size
         if slots > stats.peak_kv_slots:

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
 from pagedserve.engine.outputs import TokenLogprob
@@ -68,6 +69,7 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob] = []  # of prompt tokens 1, 2, ... so far (prompt_logprobs set)
         self.times = RequestTimes() if arrival_time is None else RequestTimes(arrival=arrival_time)
         self.generator: torch.Generator | None = None
+        self.grammar: llguidance.LLMatcher | None = None  # set by the engine when params.structured_output
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
 

@@ -76,6 +76,8 @@ def _block_stop_tokens_before_min(logits: torch.Tensor, requests: list[Request])
     for row, request in enumerate(requests):
         if request.num_output_tokens >= request.params.min_tokens:
             continue
+        if request.grammar is not None and request.grammar.is_accepting():
+            continue  # a complete constrained output may end: its constraint would refuse anything else
         stops = request.stop_token_ids
         if not request.params.ignore_eos:
             stops = stops | request.eos_token_ids

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedserve.engine.structured_output import StructuredOutput
+
 MAX_TOP_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1  # the bound of every count: a vocabulary, a context, a batch all fit well below it
 
@@ -31,6 +33,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: token ids only (benchmarks, clients that decode themselves)
+    structured_output: StructuredOutput | None = None  # a constraint on the output (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +85,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def jumps_forward(self) -> bool:
+        """Tokens a constraint forces may be appended without a forward pass each: the greedy choice is the
+        forced token whatever the logits, and no logprobs are asked for (they would need the logits)."""
+        return self.structured_output is not None and self.is_greedy and self.logprobs is None
 
     @property
     def needs_penalties(self) -> bool:

@@ -201,11 +201,15 @@ class Scheduler:
             child.status = RequestStatus.RUNNING
             child.times.first_scheduled = leader.times.first_scheduled or now
             self.running.append(child)
-            child.append_output_token(token_ids[child.request_id])
-            status = self._token_stop(child, token_ids[child.request_id])
-            if status is not None:
-                self.finish(child.request_id, status)
+            self.append_token(child, token_ids[child.request_id])
         return siblings
+
+    def append_token(self, request: Request, token: int) -> None:
+        """Appends a token to a running request and ends it at a token-level stop (length, EOS, stop ids)."""
+        request.append_output_token(token)
+        status = self._token_stop(request, token)
+        if status is not None:
+            self.finish(request.request_id, status)
 
     def _token_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params

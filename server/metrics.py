@@ -110,6 +110,21 @@ class _EngineCollector(Collector):
         (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up.", "prefix_cache_queries"),
         (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found cached.", "prefix_cache_hits"),
         (CounterMetricFamily, "num_preemptions", "Preemptions.", "num_preemptions"),
+        (CounterMetricFamily, "structured_output_requests", "Requests with a constraint.", "constrained_requests"),
+        (CounterMetricFamily, "grammar_compile_seconds", "Compiling constraints.", "grammar_compile_seconds"),
+        (CounterMetricFamily, "grammar_mask_seconds", "Filling token masks.", "grammar_mask_seconds"),
+        (
+            CounterMetricFamily,
+            "grammar_mask_wait_seconds",
+            "Steps waiting for token masks after their forward.",
+            "grammar_mask_wait_seconds",
+        ),
+        (
+            CounterMetricFamily,
+            "jump_forward_tokens",
+            "Tokens a constraint forced, without a forward.",
+            "jump_forward_tokens",
+        ),
     )
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:

@@ -1,0 +1,175 @@
+"""Constraints as token masks: llguidance compiles a StructuredOutput into a matcher per sequence and fills masks.
+
+Why llguidance over xgrammar and outlines-core: README, "Structured output". A GrammarCompiler compiles each
+constraint once and hands every sequence a copy; StepMasks fills a step's masks on a worker thread while the
+forward runs (llguidance releases the GIL), and the engine applies them before any sampling parameter.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from pagedserve.engine.structured_output import StructuredOutput
+
+# JSON is written as json.dumps writes it: one space after ',' and ':', no other whitespace. A model may not
+# pad with newlines forever, and more positions admit exactly one token (jump-forward).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(constraint: StructuredOutput) -> str:
+    """The constraint as an llguidance grammar; ValueError when it is malformed."""
+    kind, spec = constraint.kind, constraint.spec
+    try:
+        if kind == "json_schema":
+            schema = json.loads(spec)
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("a JSON schema must be an object")
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", spec)
+        return llguidance.grammar_from("grammar", spec)
+    except (ValueError, TypeError, RuntimeError) as exc:  # the library's messages say what is wrong
+        raise ValueError(f"invalid {kind} constraint: {exc}") from None
+
+
+class GrammarCompiler:
+    """Matchers for constraints, each compiled once (an LRU of pristine matchers; a sequence gets a copy).
+
+    The tokenizer's llguidance view takes a fraction of a second to build, so it is built on first use.
+    Thread-safe: the caller's side checks constraints on a pool thread.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        cache_size: int = 512,
+    ) -> None:
+        self._hf = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids) or None
+        self._cache_size = cache_size
+        self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self.compile_seconds = 0.0  # in compiling (cache misses), summed
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab_size, eos_token=self._eos)
+            return self._tokenizer
+
+    def check(self, constraint: StructuredOutput) -> None:
+        """ValueError with the library's reason when the constraint cannot be compiled."""
+        self._pristine(constraint)
+
+    def matcher(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
+        """A fresh matcher for one sequence."""
+        return self._pristine(constraint).deep_copy()
+
+    def _pristine(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
+        with self._lock:
+            found = self._compiled.get(constraint)
+            if found is not None:
+                self._compiled.move_to_end(constraint)
+                return found
+        start = time.perf_counter()
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(constraint), log_level=0)
+        self.compile_seconds += time.perf_counter() - start
+        if matcher.is_error():
+            raise ValueError(f"invalid {constraint.kind} constraint: {matcher.get_error()}")
+        with self._lock:
+            self._compiled[constraint] = matcher
+            if len(self._compiled) > self._cache_size:
+                self._compiled.popitem(last=False)
+        return matcher
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab_size] bool from llguidance's [rows, ceil(vocab/32)] int32 bitmask (bit j of word i is
+    token 32 i + j)."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def only_allowed_token(matcher: llguidance.LLMatcher, vocab_size: int) -> int | None:
+    """The one token the matcher admits next, or None when it admits several (or none)."""
+    bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+    llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+    allowed = allowed_tokens(bitmask, vocab_size)[0].nonzero()
+    return int(allowed[0, 0]) if allowed.shape[0] == 1 else None
+
+
+@dataclass
+class GrammarRows:
+    """The step's constrained rows of the sampling batch, and the tokens each admits ([rows, vocab] bool)."""
+
+    rows: torch.Tensor
+    allowed: torch.Tensor
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of `logits` with every token the constraints refuse at -inf."""
+        logits = logits.clone()
+        rows = self.rows.to(logits.device)
+        refused = ~self.allowed.to(logits.device)
+        logits[rows] = logits[rows].masked_fill(refused, float("-inf"))
+        return logits
+
+
+class StepMasks:
+    """Fills a step's masks on a worker thread: started before the forward, awaited before sampling."""
+
+    def __init__(self, vocab_size: int, num_threads: int = 1) -> None:
+        self._vocab_size = vocab_size
+        self._executor = llguidance.LLExecutor(num_threads=num_threads)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-grammar")
+        self.mask_seconds = 0.0  # filling masks, on the worker thread
+        self.wait_seconds = 0.0  # the step waiting for them after its forward
+
+    def start(self, matchers: list[llguidance.LLMatcher | None]) -> concurrent.futures.Future[GrammarRows] | None:
+        """Masks for the rows that have a matcher (None: nothing to mask this step)."""
+        constrained = [(row, m) for row, m in enumerate(matchers) if m is not None]
+        if not constrained:
+            return None
+        return self._pool.submit(self._fill, constrained)
+
+    def wait(self, pending: concurrent.futures.Future[GrammarRows] | None) -> GrammarRows | None:
+        if pending is None:
+            return None
+        start = time.perf_counter()
+        try:
+            return pending.result()
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+    def _fill(self, constrained: list[tuple[int, llguidance.LLMatcher]]) -> GrammarRows:
+        start = time.perf_counter()
+        bitmask = llguidance.torch.allocate_token_bitmask(len(constrained), self._vocab_size)
+        pairs = [(matcher, i) for i, (_, matcher) in enumerate(constrained)]
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+        rows = torch.tensor([row for row, _ in constrained])
+        result = GrammarRows(rows, allowed_tokens(bitmask, self._vocab_size))
+        self.mask_seconds += time.perf_counter() - start
+        return result
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
