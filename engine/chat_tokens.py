@@ -8,6 +8,10 @@ Messages that hold no special token's text (nearly all) are encoded as before. O
 rendered again with each such occurrence fenced by two Unicode noncharacters, which locates it in the prompt;
 the prompt is encoded as usual and every special token that falls inside a fence is replaced by the tokens of
 its text. Everything outside the fences tokenizes exactly as it did.
+
+Tool calls in the history are conversation text too: every string in a message's `tool_calls` (the function's
+name and arguments, as a dict or a JSON string) is fenced like its content. Tool definitions are not: like the
+template, they are the application's, not text of the conversation.
 """
 
 from __future__ import annotations
@@ -73,13 +77,15 @@ class MessageTextGuard:
         def fence(text: str) -> str:
             return pattern.sub(lambda match: OPEN + match.group(0) + CLOSE, text)
 
+        fenced = dict(message)
         content = message.get("content")
         if isinstance(content, str):
-            return {**message, "content": fence(content)}
-        if isinstance(content, list):
-            parts = [{**p, "text": fence(p["text"])} if _is_text_part(p) else p for p in content]
-            return {**message, "content": parts}
-        return message
+            fenced["content"] = fence(content)
+        elif isinstance(content, list):
+            fenced["content"] = [{**p, "text": fence(p["text"])} if _is_text_part(p) else p for p in content]
+        if message.get("tool_calls"):
+            fenced["tool_calls"] = _map_strings(message["tool_calls"], fence)
+        return fenced
 
     def _text_tokens(self, text: str) -> list[int]:
         """`text` tokenized with special tokens treated as plain text.
@@ -101,6 +107,31 @@ def _texts(messages: list[Message]) -> Iterator[str]:
             yield content
         elif isinstance(content, list):
             yield from (part["text"] for part in content if _is_text_part(part))
+        yield from _strings(message.get("tool_calls"))
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON-like value, dict keys included (tool-call arguments may put text anywhere)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
+    """A copy of a JSON-like value with `change` applied to each of its strings, dict keys included."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, dict):
+        return {_map_strings(key, change): _map_strings(item, change) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(item, change) for item in value]
+    return value
 
 
 def _is_text_part(part: Any) -> bool:

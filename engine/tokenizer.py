@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.engine.chat_tokens import Message, MessageTextGuard
+from pagedserve.engine.tool_template import Tool, messages_and_tools_for_template
 
 T = TypeVar("T")
 INLINE_MAX_CHARS = 4096
@@ -47,12 +48,20 @@ def apply_chat_template(
     messages: list[Message],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[Tool] | None = None,
 ) -> str:
-    """The prompt for `messages`; with continue_final_message, the last message is left open to be continued."""
+    """The prompt for `messages`; with continue_final_message, the last message is left open to be continued.
+
+    `tools` (OpenAI tool definitions) go to templates that render tools; other templates get them, and any tool
+    calls and results in the history, as text in the messages (tool_template).
+    """
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; use the completions API instead")
+    chat_template = tokenizer.get_chat_template(tools=tools or None)  # a model may keep a template for tool use
+    template_messages, template_tools = messages_and_tools_for_template(chat_template, messages, tools)
     text = tokenizer.apply_chat_template(
-        messages,
+        template_messages,
+        tools=template_tools,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
@@ -85,7 +94,11 @@ class PromptTokenizer:
             return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_chat(
-        self, messages: list[Message], add_generation_prompt: bool = True, continue_final_message: bool = False
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[Tool] | None = None,
     ) -> list[int]:
         """The chat template applied, then tokenized; special tokens typed in messages stay text (chat_tokens)."""
         render = functools.partial(
@@ -93,6 +106,7 @@ class PromptTokenizer:
             self.hf,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
         )
         text = render(messages)
         with _invalid_text_as_value_error(text):
@@ -104,10 +118,17 @@ class PromptTokenizer:
         return await self._off_loop(len(text), self.encode, text, add_special_tokens)
 
     async def encode_chat_async(
-        self, messages: list[Message], add_generation_prompt: bool = True, continue_final_message: bool = False
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[Tool] | None = None,
     ) -> list[int]:
         size = sum(len(str(message.get("content") or "")) + MESSAGE_WEIGHT_CHARS for message in messages)
-        return await self._off_loop(size, self.encode_chat, messages, add_generation_prompt, continue_final_message)
+        size += len(json.dumps(tools)) if tools else 0  # tool definitions are prompt text too, often kilobytes
+        return await self._off_loop(
+            size, self.encode_chat, messages, add_generation_prompt, continue_final_message, tools
+        )
 
     async def _off_loop(self, num_chars: int, function: Callable[..., T], *args: Any) -> T:
         if num_chars <= INLINE_MAX_CHARS:
