@@ -45,6 +45,7 @@ from pagedserve.engine.model_loader import LoadedModel
 from pagedserve.engine.outputs import SequenceDelta
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.tokenizer import Message, PromptTokenizer
+from pagedserve.engine.tool_template import Tool
 from pagedserve.engine.validation import RequestLimits, check_request
 
 logger = logging.getLogger(__name__)
@@ -145,9 +146,15 @@ class AsyncEngine:
         return await self.tokenizer.encode_async(prompt, add_special_tokens)
 
     async def encode_chat(
-        self, messages: list[Message], add_generation_prompt: bool = True, continue_final_message: bool = False
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[Tool] | None = None,
     ) -> list[int]:
-        return await self.tokenizer.encode_chat_async(messages, add_generation_prompt, continue_final_message)
+        return await self.tokenizer.encode_chat_async(
+            messages, add_generation_prompt, continue_final_message, tools=tools
+        )
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot

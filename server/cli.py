@@ -23,6 +23,7 @@ from pagedserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_
 from pagedserve.server.logs import LOG_FORMATS, configure_logging, uvicorn_text_logging
 from pagedserve.server.offline import LOG_LEVELS
 from pagedserve.server.shutdown import ABORT_GRACE_SECONDS, DrainingServer
+from pagedserve.server.tools import AUTO_TOOL_PARSERS
 
 logger = logging.getLogger("pagedserve")
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -106,6 +107,20 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="on SIGTERM/SIGINT, how long requests in flight may run on before they are aborted (default: 30)",
     )
+    chat = serve.add_argument_group("chat replies")
+    chat.add_argument(
+        "--tool-call-parser",
+        choices=("auto", *AUTO_TOOL_PARSERS),
+        default="auto",
+        help="how tool calls are read from replies under tool_choice auto; auto: from the chat template (default)",
+    )
+    chat.add_argument(
+        "--reasoning-parser",
+        choices=("auto", "think", "none"),
+        default="auto",
+        help="think: a reply's leading <think>...</think> becomes reasoning_content; auto: when the chat template "
+        "mentions <think> (default)",
+    )
     add_engine_args(serve, exclude=frozenset({"served_model_name"}))
     serve.set_defaults(run=serve_command)
 
@@ -129,6 +144,8 @@ def serve_command(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         cors_allowed_origins=args.cors_allowed_origins,
         max_request_bytes=args.max_request_bytes,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     engine = AsyncEngine.from_config(config)
     app = create_app(engine, settings)

@@ -99,7 +99,7 @@ class CompletionReply:
         echoes = enumerate(self._echoes)
         return [self._chunk(CompletionChoice(index=i, text=echo)) for i, echo in echoes if echo]
 
-    def on_delta(self, choice: int, delta: SequenceDelta) -> Completion | None:
+    def on_delta(self, choice: int, delta: SequenceDelta) -> list[Completion]:
         prompt_logprobs = delta.prompt_logprobs
         text = delta.new_text
         if self._echo_logprobs and prompt_logprobs is not None:
@@ -107,11 +107,11 @@ class CompletionReply:
         logprobs = self._choice_logprobs(choice, prompt_logprobs, delta.new_logprobs)
         vllm = self._vllm(prompt_logprobs)
         if not text and logprobs is None and vllm is None:
-            return None
-        return self._chunk(CompletionChoice(index=choice, text=text, logprobs=logprobs, prompt_logprobs=vllm))
+            return []
+        return [self._chunk(CompletionChoice(index=choice, text=text, logprobs=logprobs, prompt_logprobs=vllm))]
 
-    def on_finish(self, choice: int, finish_reason: str) -> Completion:
-        return self._chunk(CompletionChoice(index=choice, text="", finish_reason=finish_reason))
+    def on_finish(self, choice: int, finish_reason: str) -> list[Completion]:
+        return [self._chunk(CompletionChoice(index=choice, text="", finish_reason=finish_reason))]
 
     def on_usage(self, usage: Usage) -> Completion:
         return Completion(**self._envelope, choices=[], usage=usage)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import itertools
 import time
@@ -18,7 +19,9 @@ from pagedserve.engine.loader import EMBEDDED_NAME
 from pagedserve.server.errors import APIError, engine_unavailable
 from pagedserve.server.logprobs import TokenTexts
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.reasoning import reasoning_parser_for_template
 from pagedserve.server.responses import Envelope
+from pagedserve.server.tool_parsers import parser_for_template
 
 VERSION = version("pagedserve")
 
@@ -29,6 +32,8 @@ class ServerSettings:
     api_key: str | None = None
     cors_allowed_origins: list[str] = field(default_factory=list)
     max_request_bytes: int = 1 << 20  # larger bodies get 413
+    tool_call_parser: str = "auto"  # how `tool_choice: auto` replies are read; auto = from the chat template
+    reasoning_parser: str = "auto"  # "think": <think>...</think> is reasoning_content; auto = from the template
 
 
 class ServingContext:
@@ -77,6 +82,22 @@ class ServingContext:
     def engine_request_id(self, request_id: str) -> str:
         """Clients may reuse an X-Request-Id; the engine needs ids unique among running requests."""
         return f"{request_id}-{next(self._sequence)}"
+
+    @functools.cached_property
+    def tool_call_parser(self) -> str:
+        """The parser for the model's tool-call format (needs the loaded engine)."""
+        chosen = self.settings.tool_call_parser
+        return parser_for_template(self.engine.tokenizer.hf.chat_template) if chosen == "auto" else chosen
+
+    @functools.cached_property
+    def splits_reasoning(self) -> bool:
+        """Whether replies start with reasoning in <think> tags (needs the loaded engine)."""
+        chosen = self.settings.reasoning_parser
+        return (
+            reasoning_parser_for_template(self.engine.tokenizer.hf.chat_template)
+            if chosen == "auto"
+            else chosen == "think"
+        )
 
     @property
     def token_texts(self) -> TokenTexts:

@@ -50,6 +50,14 @@ _FIELD_AT_START = re.compile(r"^([a-z_]+) ")
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
+class FieldError(ValueError):
+    """A request field's value is wrong in a way only the server sees (its shape, not its range): names it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class ClientDisconnected(Exception):
     """The client closed the connection before the answer was ready (its requests are aborted)."""
 
@@ -102,6 +110,8 @@ def to_api_error(exc: ValueError | QueueFullError | EngineUnavailableError, prom
         return server_error(503, message, "queue_full", _retry_after())
     if isinstance(exc, EngineUnavailableError):
         return engine_unavailable(exc)
+    if isinstance(exc, FieldError):
+        return invalid_request(str(exc), "invalid_value", exc.param)
     return invalid_request(str(exc), "invalid_value", _param_named_in(str(exc), prompt_param))
 
 

@@ -16,8 +16,6 @@ from pydantic_core import PydanticCustomError
 # field -> (values that ask for nothing besides null, what to use instead or why)
 Refusal = tuple[tuple[Any, ...], str]
 
-_STRUCTURED = "structured output (JSON schema, regex, grammar) is not supported yet"
-_TOOLS = "tool and function calling are not supported by this server"
 
 SHARED: dict[str, Refusal] = {
     # OpenAI
@@ -30,14 +28,8 @@ SHARED: dict[str, Refusal] = {
     "truncate_prompt_tokens": ((), "prompts are never truncated: a prompt over the context is refused"),
     "allowed_token_ids": ((), "use logit_bias"),
     "bad_words": ((), "use logit_bias"),
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
-    "guided_decoding_backend": ((), _STRUCTURED),
-    "guided_whitespace_pattern": ((), _STRUCTURED),
-    "structural_tag": ((), _STRUCTURED),
-    "structured_outputs": ((), _STRUCTURED),
+    "guided_whitespace_pattern": ((), "JSON is written compactly, as json.dumps writes it"),
+    "structural_tag": ((), "structural tags are not supported; use tools or response_format"),
     "priority": ((0,), "requests are served in arrival order"),
     "logits_processors": ((), "custom logits processors are not supported"),
     "return_tokens_as_token_ids": ((False,), "not supported"),
@@ -48,8 +40,6 @@ SHARED: dict[str, Refusal] = {
     "prompt_embeds": ((), "prompt embeddings are not supported"),
     "mm_processor_kwargs": ((), "only text is supported"),
     # llama.cpp
-    "json_schema": ((), _STRUCTURED),
-    "grammar": ((), _STRUCTURED),
     "n_predict": ((), "use max_tokens"),
     "n_probs": ((), "use logprobs"),
     "typical_p": ((1, 1.0), "typical sampling is not supported"),
@@ -80,7 +70,6 @@ CHAT: dict[str, Refusal] = {
 
 COMPLETIONS: dict[str, Refusal] = {
     **SHARED,
-    "response_format": ((), _STRUCTURED),
     "add_special_tokens": ((True,), "prompts are always encoded with the tokenizer's special tokens"),
 }
 
@@ -94,9 +83,9 @@ ACCEPTED = (
     "prompt_cache_retention",
     "prompt_cache_options",
     "prediction",  # a hint for speculative decoding: the output is the same without it
-    "parallel_tool_calls",  # no tools, so nothing to call in parallel
     "request_id",  # pagedserve takes the X-Request-Id header instead
     "cache_prompt",  # llama.cpp's; the prefix cache is always on
+    "guided_decoding_backend",  # vLLM's choice of grammar library: one serves every constraint here
 )
 
 

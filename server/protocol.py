@@ -6,15 +6,19 @@ name the field.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pagedserve.engine import SamplingParams
+from pagedserve.engine import SamplingParams, StructuredOutput
 from pagedserve.engine.sampling_params import MAX_TOP_LOGPROBS
 from pagedserve.server import fields
+from pagedserve.server.errors import FieldError
 from pagedserve.server.fields import Refusal, refuse_unsupported
+from pagedserve.server.structured import ResponseFormat, VllmStructuredOutputs, constraints_given
+from pagedserve.server.tools import MAX_TOOLS, ToolChoice, ToolDefinition, ToolPlan, plan_tools
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters
@@ -103,6 +107,15 @@ class SamplingRequest(RequestBody):
     user: str | None = None  # accepted and ignored
     timeout: Seconds | None = None  # the longest this request may wait to be scheduled (then 408)
     prompt_logprobs: TopLogprobs | None = None  # vLLM's: logprobs of the prompt's tokens, with the top k
+    # Output constraints (server/structured.py): OpenAI's, vLLM's and llama.cpp's names; at most one.
+    response_format: ResponseFormat | None = None
+    structured_outputs: VllmStructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    json_schema: dict[str, Any] | None = None  # llama.cpp's
+    grammar: str | None = None  # llama.cpp's (GBNF)
 
     @field_validator("stop")
     @classmethod
@@ -132,13 +145,38 @@ class SamplingRequest(RequestBody):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def output_constraint(self) -> StructuredOutput | None:
+        """The constraint the request names in any of the fields servers define (ValueError: malformed, or
+        several named)."""
+        return constraints_given(
+            {
+                "response_format": lambda: self.response_format and self.response_format.constraint(),
+                "structured_outputs": lambda: self.structured_outputs and self.structured_outputs.constraint(),
+                "guided_json": lambda: _built(StructuredOutput.json_schema, self.guided_json),
+                "guided_regex": lambda: _built(StructuredOutput.regex, self.guided_regex),
+                "guided_choice": lambda: _built(StructuredOutput.choice, self.guided_choice),
+                "guided_grammar": lambda: _built(StructuredOutput.grammar, self.guided_grammar),
+                "json_schema": lambda: _built(StructuredOutput.json_schema, self.json_schema),
+                "grammar": lambda: _built(StructuredOutput.grammar, self.grammar),
+            }
+        )
+
     def build_sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        structured_output: StructuredOutput | None,
     ) -> SamplingParams:
         """Raises ValueError, naming the field, for out-of-range values."""
         chosen = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **chosen
+            n=self.n,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured_output=structured_output,
+            **chosen,
         )
 
 
@@ -150,13 +188,44 @@ class TextPart(RequestBody):
     text: str
 
 
+class CalledFunction(RequestBody):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text as OpenAI sends it; an object is taken too
+
+
+class AssistantToolCall(RequestBody):
+    """A call the assistant made in an earlier turn (agent loops send their history back)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(RequestBody):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant turn that called tools
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # the assistant's
+    tool_call_id: str | None = None  # a tool message answers this call
+    reasoning_content: str | None = None  # an earlier answer's reasoning: accepted, not shown to the model again
+
+    @model_validator(mode="after")
+    def _content_where_needed(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError(
+                "invalid_value", "content is required, except for an assistant turn that calls tools"
+            )
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("invalid_value", "only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise PydanticCustomError("invalid_value", "a tool message needs the tool_call_id it answers")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, content: Any) -> Any:
+        if content is None:
+            return content
         if not isinstance(content, (str, list)):
             raise PydanticCustomError("invalid_type", "content must be a string or a list of text parts")
         for part in content if isinstance(content, list) else []:
@@ -166,24 +235,25 @@ class ChatMessage(RequestBody):
                 raise PydanticCustomError("invalid_value", message, {"kind": str(kind)})
         return content
 
-    def for_template(self) -> dict[str, str]:
-        """The plain {"role", "content"} dict chat templates expect; developer is OpenAI's new system."""
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    @property
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The dict chat templates expect (Hugging Face's convention); developer is OpenAI's new system."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
 
 
 Messages = Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
-
-
-class ResponseFormat(RequestBody):
-    type: str
-
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, kind: str) -> str:
-        if kind != "text":
-            raise unsupported(f"response_format {kind!r} is not supported; only 'text' is")
-        return kind
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -193,12 +263,12 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True  # vLLM's: open the assistant's turn after the messages
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, left open
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[Any] | None = None  # OpenAI's deprecated form of tools
     function_call: Any = None
 
     @field_validator("messages")
@@ -215,19 +285,12 @@ class ChatCompletionRequest(SamplingRequest):
             raise PydanticCustomError("invalid_value", "top_logprobs requires logprobs to be true")
         return top_logprobs
 
-    @field_validator("tools", "functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
-        if tools:
-            raise unsupported("tool and function calling are not supported by this server")
-        return tools
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, choice: Any) -> Any:
-        if choice not in (None, "none"):
-            raise unsupported("tool and function calling are not supported by this server")
-        return choice
+    def _deprecated_functions(cls, value: Any) -> Any:
+        if value not in (None, [], "none"):
+            raise unsupported("functions and function_call are deprecated by OpenAI; use tools and tool_choice")
+        return value
 
     @field_validator("continue_final_message")
     @classmethod
@@ -251,15 +314,28 @@ class ChatCompletionRequest(SamplingRequest):
             raise unsupported("prompt_logprobs is not supported with stream on chat completions")
         return prompt_logprobs
 
-    def sampling_params(self) -> SamplingParams:
+    def tool_plan(self, parser_name: str) -> ToolPlan:
+        """ValueError when tool_choice names no given tool."""
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser_name)
+
+    def sampling_params(self, tools: ToolPlan) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
         if max_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError("max_tokens must be >= 1 (0, scoring the prompt only, needs prompt_logprobs)")
-        return self.build_sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        constraint = self.output_constraint()
+        if tools.constraint is not None and constraint is not None:
+            message = (
+                f"tool_choice {tools.mode!r} forces a tool call; it cannot be combined with another output constraint"
+            )
+            raise FieldError(message, "tool_choice")
+        return self.build_sampling_params(max_tokens, logprobs, self.prompt_logprobs, tools.constraint or constraint)
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [message.for_template() for message in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return None if not self.tools else [tool.for_template() for tool in self.tools]
 
 
 # ---- completions ---------------------------------------------------------------------------------------
@@ -320,7 +396,11 @@ class CompletionRequest(SamplingRequest):
         prompt_logprobs = self.prompt_logprobs
         if self.echoes_logprobs:
             prompt_logprobs = max(self.logprobs or 0, prompt_logprobs or 0)
-        return self.build_sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self.build_sampling_params(max_tokens, self.logprobs, prompt_logprobs, self.output_constraint())
+
+
+def _built(build: Callable[[Any], StructuredOutput], spec: Any) -> StructuredOutput | None:
+    return None if spec is None else build(spec)
 
 
 def _is_prompt(value: Any) -> bool:

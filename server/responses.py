@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel
 
@@ -65,10 +65,23 @@ PromptLogprobsOut = list[dict[str, PromptTokenLogprob] | None]
 # ---- chat ----------------------------------------------------------------------------------------------
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking, as vLLM and DeepSeek's API send it
 
 
 class ChatChoice(BaseModel):
@@ -91,7 +104,8 @@ class ChatCompletion(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role", "content"} first, {"content"} next, {} with the finish_reason
+    delta: dict[str, Any]  # {"role", "content"} first; then {"content"}, {"reasoning_content"} or {"tool_calls"};
+    # {} with the finish_reason
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

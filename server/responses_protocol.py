@@ -181,7 +181,7 @@ class ResponsesRequest(SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.wants_logprobs else None
-        return self.build_sampling_params(self.max_output_tokens, logprobs, None)
+        return self.build_sampling_params(self.max_output_tokens, logprobs, None, None)
 
     def template_messages(self) -> list[dict[str, str]]:
         system = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]

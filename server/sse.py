@@ -30,9 +30,10 @@ class ChunkFormatter(Protocol):
 
     def opening(self) -> Iterable[BaseModel]: ...
 
-    def on_delta(self, choice: int, delta: SequenceDelta) -> BaseModel | None: ...
+    def on_delta(self, choice: int, delta: SequenceDelta) -> Iterable[BaseModel]: ...
 
-    def on_finish(self, choice: int, finish_reason: str) -> BaseModel: ...
+    def on_finish(self, choice: int, finish_reason: str) -> Iterable[BaseModel]:
+        """What the choice held back, then its chunk with the finish_reason."""
 
     def on_usage(self, usage: Usage) -> BaseModel: ...
 
@@ -56,11 +57,11 @@ async def sse_events(
         async with contextlib.aclosing(recorded(streams, record)) as deltas:
             async for prompt_index, delta in deltas:
                 choice = prompt_index * n + delta.index
-                content = formatter.on_delta(choice, delta)
-                if content is not None:
-                    yield event(content)
+                for chunk in formatter.on_delta(choice, delta):
+                    yield event(chunk)
                 if delta.finish_reason is not None:
-                    yield event(formatter.on_finish(choice, delta.finish_reason))
+                    for chunk in formatter.on_finish(choice, delta.finish_reason):
+                        yield event(chunk)
     except asyncio.CancelledError:  # the client hung up: the stream is being torn down
         record.error_code = "client_closed"
         raise

@@ -80,9 +80,9 @@ def test_malformed_json_is_400(url: str) -> None:
         ({"messages": [{"role": "robot", "content": "Hi"}]}, "invalid_value", "messages.0.role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "invalid_value", "messages.0.content"),
         ({"messages": [{"role": "user", "content": 5}]}, "invalid_type", "messages.0.content"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter", "tools"),
-        ({"tool_choice": "required"}, "unsupported_parameter", "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format.type"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "invalid_value", "tools.0.function.name"),
+        ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
+        ({"response_format": {"type": "xml"}}, "invalid_value", "response_format"),
     ],
 )
 def test_bad_chat_requests_are_400(url: str, body: dict, code: str, param: str) -> None:

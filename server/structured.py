@@ -1,0 +1,106 @@
+"""Request fields that constrain the output, in the shapes OpenAI, vLLM and llama.cpp define them.
+
+Each is turned into the engine's StructuredOutput here, so the protocol models only declare the fields:
+- OpenAI: `response_format` {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
+  "strict"}} (llama.cpp's {"type": "json_object", "schema": ...} too);
+- vLLM: `structured_outputs` {"json" | "regex" | "choice" | "grammar" | "json_object"} and the older
+  `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
+- llama.cpp: top-level `json_schema` and `grammar` (GBNF).
+A request names at most one constraint; malformed ones raise FieldError (400) naming the field. Whether the
+grammar library compiles a constraint is checked by the engine at the door (400 with the library's reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedserve.engine import StructuredOutput
+from pagedserve.server.errors import FieldError
+
+# `schema` and `json` are BaseModel attributes' names: the fields take them as aliases.
+_ALIASED = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _ALIASED
+
+    name: str = "response"
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None  # constraints are always strict: the output matches the schema
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _ALIASED
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # llama.cpp's json_object with a schema
+
+    def constraint(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput.json_object() if self.schema_ is None else _json(self.schema_)
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("response_format json_schema needs a 'json_schema' object with the schema")
+            schema = self.json_schema.schema_
+            return StructuredOutput.json_object() if schema is None else _json(schema)
+        raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {self.type!r}")
+
+
+class VllmStructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` object: one of its constraint fields."""
+
+    model_config = _ALIASED
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraint(self) -> StructuredOutput | None:
+        return constraints_given(
+            {
+                "json": lambda: None if self.json_ is None else _json(self.json_),
+                "regex": lambda: None if self.regex is None else StructuredOutput.regex(self.regex),
+                "choice": lambda: None if self.choice is None else StructuredOutput.choice(self.choice),
+                "grammar": lambda: None if self.grammar is None else StructuredOutput.grammar(self.grammar),
+                "json_object": lambda: StructuredOutput.json_object() if self.json_object else None,
+            },
+            "structured_outputs",
+        )
+
+
+Builder = Callable[[], StructuredOutput | None]
+
+
+def constraints_given(builders: dict[str, Builder], where: str | None = None) -> StructuredOutput | None:
+    """The one constraint the fields name (None if none). FieldError naming the field when one is malformed,
+    or when several are named."""
+    named = {}
+    for field, build in builders.items():
+        try:
+            constraint = build()
+        except FieldError:
+            raise
+        except ValueError as exc:
+            raise FieldError(str(exc), f"{where}.{field}" if where else field) from None
+        if constraint is not None:
+            named[field] = constraint
+    if len(named) > 1:
+        fields = sorted(named)
+        message = f"{where or 'the request'} may name one output constraint, got {', '.join(fields)}"
+        raise FieldError(message, where or fields[-1])
+    return next(iter(named.values()), None)
+
+
+def _json(schema: dict[str, Any] | bool | str) -> StructuredOutput:
+    if isinstance(schema, bool):
+        return StructuredOutput.json_schema("true" if schema else "false")
+    return StructuredOutput.json_schema(schema)
