@@ -13,6 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
@@ -20,11 +21,18 @@ import llguidance.torch
 import torch
 from transformers import PreTrainedTokenizerBase
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared for type checkers only
+
 from pagedserve.engine.structured_output import StructuredOutput
 
 # JSON is written as json.dumps writes it: one space after ',' and ':', no other whitespace. A model may not
 # pad with newlines forever, and more positions admit exactly one token (jump-forward).
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 def grammar_text(constraint: StructuredOutput) -> str:
@@ -35,7 +43,7 @@ def grammar_text(constraint: StructuredOutput) -> str:
             schema = json.loads(spec)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "regex":
@@ -74,7 +82,11 @@ class GrammarCompiler:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab_size, eos_token=self._eos)
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf,  # type: ignore[arg-type]  # any fast tokenizer: it reads backend_tokenizer
+                    n_vocab=self._vocab_size,
+                    eos_token=self._eos,
+                )
             return self._tokenizer
 
     def check(self, constraint: StructuredOutput) -> None:

@@ -61,7 +61,7 @@ def apply_chat_template(
     template_messages, template_tools = messages_and_tools_for_template(chat_template, messages, tools)
     text = tokenizer.apply_chat_template(
         template_messages,
-        tools=template_tools,
+        tools=template_tools,  # type: ignore[arg-type]  # dicts of str keys are what transformers takes
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,

@@ -37,7 +37,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     request_id, record = request.state.request_id, request.state.record
     streams = await start_streams(engine, ctx.engine_request_id(request_id), [prompt], params, "messages", body.timeout)
     logger.debug("request %s: chat, %d prompt tokens, n=%d, stream=%s", request_id, len(prompt), params.n, body.stream)
-    thinks = ctx.splits_reasoning and prompt_opens_reasoning(engine.tokenizer.hf.decode(prompt[-PROMPT_TAIL_TOKENS:]))
+    thinks = ctx.splits_reasoning and prompt_opens_reasoning(
+        str(engine.tokenizer.hf.decode(prompt[-PROMPT_TAIL_TOKENS:]))
+    )
     reply = ChatReply(ctx, body, tools, thinks)
     record.prompt_tokens = len(prompt)
     if body.stream:

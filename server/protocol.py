@@ -150,8 +150,8 @@ class SamplingRequest(RequestBody):
         several named)."""
         return constraints_given(
             {
-                "response_format": lambda: self.response_format and self.response_format.constraint(),
-                "structured_outputs": lambda: self.structured_outputs and self.structured_outputs.constraint(),
+                "response_format": lambda: _built(ResponseFormat.constraint, self.response_format),
+                "structured_outputs": lambda: _built(VllmStructuredOutputs.constraint, self.structured_outputs),
                 "guided_json": lambda: _built(StructuredOutput.json_schema, self.guided_json),
                 "guided_regex": lambda: _built(StructuredOutput.regex, self.guided_regex),
                 "guided_choice": lambda: _built(StructuredOutput.choice, self.guided_choice),
@@ -399,7 +399,7 @@ class CompletionRequest(SamplingRequest):
         return self.build_sampling_params(max_tokens, self.logprobs, prompt_logprobs, self.output_constraint())
 
 
-def _built(build: Callable[[Any], StructuredOutput], spec: Any) -> StructuredOutput | None:
+def _built(build: Callable[[Any], StructuredOutput | None], spec: Any) -> StructuredOutput | None:
     return None if spec is None else build(spec)
 
 

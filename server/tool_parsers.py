@@ -99,7 +99,7 @@ def _call_from_json(value: object) -> ParsedToolCall | None:
     name = value.get("name")
     if not isinstance(name, str) or not name:
         return None
-    arguments = next((value[key] for key in ARGUMENT_KEYS if value.get(key) is not None), {})
+    arguments: object = next((value[key] for key in ARGUMENT_KEYS if value.get(key) is not None), {})
     if isinstance(arguments, str):  # some models write the arguments object as a JSON string
         arguments = _load_json(arguments)
     if not isinstance(arguments, dict):
