@@ -100,8 +100,8 @@ def plan_tools(
 ) -> ToolPlan:
     """FieldError when the choice names no given tool."""
     if not tools:
-        if choice not in (None, "none"):
-            raise FieldError("tool_choice needs tools", "tool_choice")
+        if choice not in (None, "none", "auto"):  # auto is the Responses API's default, tools or not
+            raise FieldError(f"tool_choice {choice!r} needs tools", "tool_choice")
         return ToolPlan("none")
     choice = "auto" if choice is None else choice
     if choice == "none":

@@ -326,3 +326,67 @@ def test_constraint_metrics_are_exported(url: str) -> None:
     count = re.search(r"^pagedserve:structured_output_requests_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
     assert count and float(count.group(1)) >= 1
     assert "pagedserve:grammar_mask_seconds_total" in metrics and "pagedserve:jump_forward_tokens_total" in metrics
+
+
+# ---- the Responses API ----------------------------------------------------------------------------------
+
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+def test_responses_named_function_call_and_its_output_round_trip(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=[RESPONSES_WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+        max_output_tokens=80,
+    )
+    assert response.status == "completed"
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
+    assert set(json.loads(call.arguments)) == {"city", "unit"}
+    follow_up = client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21}'},
+        ],
+        tools=[RESPONSES_WEATHER],
+        temperature=0,
+        max_output_tokens=30,
+    )
+    assert follow_up.output and follow_up.output[0].type in ("message", "function_call")
+
+
+def test_responses_streamed_function_call_events(client: openai.OpenAI) -> None:
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input="What is the weather in Paris?",
+            tools=[RESPONSES_WEATHER],
+            tool_choice="required",
+            temperature=0,
+            max_output_tokens=120,
+            stream=True,
+        )
+    )
+    kinds = [event.type for event in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert "response.output_text.delta" not in kinds
+    fragments = "".join(event.delta for event in events if event.type == "response.function_call_arguments.delta")
+    done = next(event for event in events if event.type == "response.function_call_arguments.done")
+    final = events[-1].response.output
+    assert fragments == done.arguments == final[-1].arguments
+    json.loads(done.arguments)
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+
+
+def test_responses_text_format_json_schema(client: openai.OpenAI) -> None:
+    response = client.responses.parse(
+        model=MODEL, input="Describe Paris as JSON.", text_format=City, temperature=0, max_output_tokens=120
+    )
+    assert isinstance(response.output_parsed, City)
+    assert response.text.format.type == "json_schema"
