@@ -23,6 +23,7 @@ from pagedserve.engine.async_stream import (
     QueuePlaces,
     RequestSink,
     RequestStream,
+    Reservation,
     hand_over,
 )
 from pagedserve.engine.config import EngineConfig
@@ -164,11 +165,11 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
 
-    def check_admission(self) -> None:
-        """Raises QueueFullError while the waiting queue has no place left: a cheap check before any work on a
-        request (a server sheds it before parsing its body). generate() still decides for each request."""
-        if self._accepting:
-            self._queue_places.refuse_if_full()
+    def reserve_place(self) -> Reservation | None:
+        """A place in the waiting queue held for a request before any work on it (a server reserves before
+        parsing the body), or QueueFullError at once. Hand it to generate(), which takes it; release() it if
+        the request never gets there. None while the engine takes nothing (generate() says why)."""
+        return self._queue_places.reserve() if self._accepting else None
 
     async def generate(
         self,
@@ -176,6 +177,7 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams,
         queue_timeout: float | None = None,
+        reservation: Reservation | None = None,
     ) -> RequestStream:
         """Queues a request and returns its stream of deltas (an AsyncIterator[SequenceDelta]).
 
@@ -203,7 +205,7 @@ class AsyncEngine:
                 raise EngineUnavailableError(self.unavailable_reason())
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            sink.take_places(self._queue_places)
+            sink.take_places(self._queue_places, reservation)
             self._sinks[request_id] = sink
             self._core.send(AddRequest(request_id, token_ids, params, sink.arrival))
         return RequestStream(request_id, params.n, sink.queue, self.abort)

@@ -62,8 +62,8 @@ class RequestSink:
     def queued(self) -> bool:
         return self.places is not None
 
-    def take_places(self, places: QueuePlaces) -> None:
-        places.take(self.num_sequences)
+    def take_places(self, places: QueuePlaces, reservation: Reservation | None = None) -> None:
+        places.take(self.num_sequences, reservation)
         self.places = places
 
     def leave_queue(self) -> None:
@@ -93,29 +93,61 @@ class QueuePlaces:
 
     Each of a request's n sequences takes a place, from submission until the scheduler first admits the
     request. `limit` follows the scheduler's queue capacity (max_queue_len plus the running batch's free
-    seats) as of the last step. Thread-safe.
+    seats) as of the last step. A request may reserve one place before any work on it (a server, before it
+    parses the body): in a burst, the requests beyond the places are refused before the others' parsing and
+    tokenization, not after. Thread-safe.
     """
 
     def __init__(self, limit: int = 0) -> None:
         self.limit = limit
         self._taken = 0
+        self._reserved = 0
         self._lock = threading.Lock()
 
-    def take(self, num_sequences: int) -> None:
+    def reserve(self) -> Reservation:
+        """One place held for a request about to be submitted; QueueFullError when none is left."""
         with self._lock:
-            if self._taken + num_sequences > self.limit:
-                raise QueueFullError(f"the waiting queue is full: {self._taken} of {self.limit} sequences wait")
+            self._refuse_beyond(1)
+            self._reserved += 1
+        return Reservation(self)
+
+    def take(self, num_sequences: int, reservation: Reservation | None = None) -> None:
+        """Takes the request's places, its reservation (if still held) counting as one of them."""
+        with self._lock:
+            held = reservation is not None and reservation.held
+            self._refuse_beyond(num_sequences - held)
+            if held:
+                assert reservation is not None
+                reservation.held = False
+                self._reserved -= 1
             self._taken += num_sequences
 
-    def refuse_if_full(self) -> None:
-        """Raises QueueFullError when not even one more sequence fits (so no request can be admitted now)."""
+    def _refuse_beyond(self, more: int) -> None:
+        if self._taken + self._reserved + more > self.limit:
+            waiting = f"{self._taken} of {self.limit} sequences wait, {self._reserved} more are being submitted"
+            raise QueueFullError(f"the waiting queue is full: {waiting}")
+
+    def unreserve(self, reservation: Reservation) -> None:
         with self._lock:
-            if self._taken >= self.limit:
-                raise QueueFullError(f"the waiting queue is full: {self._taken} of {self.limit} sequences wait")
+            if reservation.held:
+                reservation.held = False
+                self._reserved -= 1
 
     def free(self, num_sequences: int) -> None:
         with self._lock:
             self._taken -= num_sequences
+
+
+class Reservation:
+    """A place held from before a request's body is read until it is submitted or answered otherwise."""
+
+    def __init__(self, places: QueuePlaces) -> None:
+        self._places = places
+        self.held = True
+
+    def release(self) -> None:
+        """Gives the place back unless the request took it (idempotent)."""
+        self._places.unreserve(self)
 
 
 def hand_over(items: list[tuple[RequestSink, SequenceDelta]]) -> None:

@@ -10,7 +10,7 @@ from starlette.responses import Response
 from pagedserve.server.chat_reply import ChatReply
 from pagedserve.server.context import serving
 from pagedserve.server.errors import to_api_error
-from pagedserve.server.generation import collect, start_streams, unless_disconnected
+from pagedserve.server.generation import collect, reserved_place, start_streams, unless_disconnected
 from pagedserve.server.protocol import ChatCompletionRequest
 from pagedserve.server.reasoning import prompt_opens_reasoning
 from pagedserve.server.responses import ChatCompletion
@@ -35,7 +35,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     except ValueError as exc:
         raise to_api_error(exc, "messages") from exc
     request_id, record = request.state.request_id, request.state.record
-    streams = await start_streams(engine, ctx.engine_request_id(request_id), [prompt], params, "messages", body.timeout)
+    engine_id, reservation = ctx.engine_request_id(request_id), reserved_place(request)
+    streams = await start_streams(engine, engine_id, [prompt], params, "messages", body.timeout, reservation)
     logger.debug("request %s: chat, %d prompt tokens, n=%d, stream=%s", request_id, len(prompt), params.n, body.stream)
     thinks = ctx.splits_reasoning and prompt_opens_reasoning(
         str(engine.tokenizer.hf.decode(prompt[-PROMPT_TAIL_TOKENS:]))

@@ -14,7 +14,7 @@ from pagedserve.engine.outputs import PromptLogprobs
 from pagedserve.engine.validation import check_admissible
 from pagedserve.server.context import ServingContext, serving
 from pagedserve.server.errors import to_api_error
-from pagedserve.server.generation import collect, start_streams, unless_disconnected
+from pagedserve.server.generation import collect, reserved_place, start_streams, unless_disconnected
 from pagedserve.server.logprobs import completion_logprobs, decode, echoed_prompt_logprobs, vllm_prompt_logprobs
 from pagedserve.server.protocol import CompletionRequest
 from pagedserve.server.responses import Completion, CompletionChoice, CompletionLogprobs, PromptLogprobsOut, Usage
@@ -36,7 +36,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     except ValueError as exc:
         raise to_api_error(exc, "prompt") from exc
     request_id, record = request.state.request_id, request.state.record
-    streams = await start_streams(engine, ctx.engine_request_id(request_id), prompts, params, "prompt", body.timeout)
+    engine_id, reservation = ctx.engine_request_id(request_id), reserved_place(request)
+    streams = await start_streams(engine, engine_id, prompts, params, "prompt", body.timeout, reservation)
     record.prompt_tokens = sum(len(prompt) for prompt in prompts)
     logger.debug(
         "request %s: completion, %d prompts, %d prompt tokens, n=%d, stream=%s",

@@ -11,12 +11,17 @@ from starlette.requests import Request
 
 from pagedserve.engine import CompletionOutput, QueueFullError, SamplingParams, SequenceDelta
 from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.async_stream import EngineUnavailableError, RequestStream
+from pagedserve.engine.async_stream import EngineUnavailableError, RequestStream, Reservation
 from pagedserve.server.errors import ClientDisconnected, server_error, to_api_error
 from pagedserve.server.logs import RequestRecord
 
 T = TypeVar("T")
 Streams = list[RequestStream]
+RESERVATION = "queue_reservation"  # request.state's: the queue place LoadSheddingMiddleware reserved
+
+
+def reserved_place(request: Request) -> Reservation | None:
+    return getattr(request.state, RESERVATION, None)
 
 
 async def start_streams(
@@ -26,13 +31,16 @@ async def start_streams(
     params: SamplingParams,
     prompt_param: str,
     queue_timeout: float | None,
+    reservation: Reservation | None = None,
 ) -> Streams:
-    """One engine request per prompt, all or none: a refused prompt aborts those already started."""
+    """One engine request per prompt, all or none: a refused prompt aborts those already started. The first
+    takes the request's reserved queue place, if it holds one."""
     streams: Streams = []
     try:
         for index, prompt in enumerate(prompts):
             engine_id = request_id if len(prompts) == 1 else f"{request_id}/{index}"
-            streams.append(await engine.generate(engine_id, prompt, params, queue_timeout))
+            held = reservation if index == 0 else None
+            streams.append(await engine.generate(engine_id, prompt, params, queue_timeout, held))
     except (ValueError, QueueFullError, EngineUnavailableError) as exc:
         close_all(streams)
         raise to_api_error(exc, prompt_param) from exc

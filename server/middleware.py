@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import email.message
 import hmac
 import json
@@ -16,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedserve.engine import QueueFullError
 from pagedserve.server.context import ServingContext
 from pagedserve.server.errors import CLIENT_CLOSED_REQUEST, APIError, internal_error, invalid_request, to_api_error
+from pagedserve.server.generation import RESERVATION
 from pagedserve.server.logs import RequestRecord
 
 logger = logging.getLogger(__name__)
@@ -199,8 +201,12 @@ class _RouteLabel:
 
 class LoadSheddingMiddleware:
     """Answers generation requests 503 + Retry-After while the engine's waiting queue is full, before their
-    bodies are parsed, templated or tokenized: under overload, refusing must cost next to nothing. The engine
-    decides (AsyncEngine.check_admission); a request that gets past here may still be refused by generate().
+    bodies are parsed, templated or tokenized: under overload, refusing must cost next to nothing.
+
+    Each generation request reserves its place here (AsyncEngine.reserve_place), then yields once to the event
+    loop: in a burst, every request is admitted or refused before any admitted one parses its body, so the
+    refusals do not wait behind that work. The handler hands the reservation to generate(), which may still
+    refuse the request (n places needed, not one); a request that never gets there gives its place back.
     """
 
     def __init__(self, app: ASGIApp, serving: ServingContext) -> None:
@@ -208,18 +214,26 @@ class LoadSheddingMiddleware:
         self.serving = serving
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
-            try:
-                self.serving.engine.check_admission()
-            except QueueFullError as exc:
-                scope["route"] = _RouteLabel(scope["path"])
-                error = to_api_error(exc, "prompt")
-                record = _record(scope)
-                if record is not None:
-                    record.error_code = error.code
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        try:
+            reservation = self.serving.engine.reserve_place()
+        except QueueFullError as exc:
+            scope["route"] = _RouteLabel(scope["path"])
+            error = to_api_error(exc, "prompt")
+            record = _record(scope)
+            if record is not None:
+                record.error_code = error.code
+            await error.response()(scope, receive, send)
+            return
+        scope.setdefault("state", {})[RESERVATION] = reservation
+        try:
+            await asyncio.sleep(0)  # the rest of a burst is admitted or refused before this request's work
+            await self.app(scope, receive, send)
+        finally:
+            if reservation is not None:
+                reservation.release()
 
 
 def _record(scope: Scope) -> RequestRecord | None:

@@ -28,7 +28,7 @@ from starlette.responses import Response
 from pagedserve.engine import CompletionOutput, SamplingParams, SequenceDelta, TokenLogprob
 from pagedserve.server.context import ServingContext, serving
 from pagedserve.server.errors import APIError, as_api_error, to_api_error
-from pagedserve.server.generation import Streams, collect, recorded, start_streams, unless_disconnected
+from pagedserve.server.generation import Streams, collect, recorded, reserved_place, start_streams, unless_disconnected
 from pagedserve.server.logprobs import chat_logprobs
 from pagedserve.server.logs import RequestRecord
 from pagedserve.server.responses import ChatTokenLogprob, Usage
@@ -82,7 +82,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response 
     request_id, record = request.state.request_id, request.state.record
     engine_id = ctx.engine_request_id(request_id)
     try:
-        streams = await start_streams(engine, engine_id, [prompt], params, "input", body.timeout)
+        streams = await start_streams(
+            engine, engine_id, [prompt], params, "input", body.timeout, reserved_place(request)
+        )
     except APIError as error:
         _renamed(error)
         raise
