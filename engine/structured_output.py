@@ -32,8 +32,16 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutput:
+        """An object schema that lists its properties and leaves `additionalProperties` unsaid admits only
+        those, as OpenAI's strict mode and vLLM do: JSON Schema's open default lets a model copy schema
+        keywords into its output as keys of their own."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"invalid json_schema constraint: not JSON ({exc})") from None
         # Keys keep their order: a schema's property order is the order the model writes them in.
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+        return cls("json_schema", json.dumps(closed_objects(schema)))
 
     @classmethod
     def json_object(cls) -> StructuredOutput:
@@ -53,3 +61,29 @@ class StructuredOutput:
     def grammar(cls, text: str) -> StructuredOutput:
         """A Lark grammar (llguidance's dialect) or a GBNF one (llama.cpp's), told apart by the library."""
         return cls("grammar", text)
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that lists properties and leaves it
+    unsaid; walks subschemas by keyword, so a property named like a keyword is never mistaken for one."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_objects(sub) for sub in closed[key]]
+    for key in (*_SCHEMAS, "additionalProperties"):
+        if key in closed:
+            closed[key] = closed_objects(closed[key])
+    says_otherwise = {"additionalProperties", "patternProperties", "unevaluatedProperties"} & closed.keys()
+    if isinstance(closed.get("properties"), dict) and not says_otherwise:
+        closed["additionalProperties"] = False
+    return closed

@@ -150,7 +150,27 @@ def test_a_bad_constraint_is_refused_with_the_librarys_reason(tiny_llama_loaded:
         compiler.check(StructuredOutput.regex("(ab"))
     with pytest.raises(ValueError, match="minimum"):
         compiler.check(StructuredOutput.json_schema({"type": "integer", "minimum": "zero"}))
-    with pytest.raises(ValueError, match="json_schema"):
-        compiler.check(StructuredOutput.json_schema("{not json"))
+    with pytest.raises(ValueError, match="not JSON"):
+        StructuredOutput.json_schema("{not json")
     with pytest.raises(ValueError, match="non-empty list"):
         StructuredOutput.choice([])
+
+
+def test_listed_properties_are_the_only_ones_unless_the_schema_says_otherwise() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},  # a key named like a keyword
+            "free": {"type": "object", "properties": {"y": {}}, "additionalProperties": True},
+            "tags": {"type": "array", "items": {"anyOf": [{"properties": {"z": {}}}, {"type": "string"}]}},
+        },
+        "$defs": {"point": {"properties": {"x": {}}}},
+    }
+    closed = json.loads(StructuredOutput.json_schema(schema).spec)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["properties"]["additionalProperties"] is False
+    assert set(closed["properties"]["properties"]["properties"]) == {"x"}  # the map of properties is untouched
+    assert closed["properties"]["free"]["additionalProperties"] is True
+    assert closed["properties"]["tags"]["items"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["$defs"]["point"]["additionalProperties"] is False
+    assert list(closed["properties"]) == ["properties", "free", "tags"]  # the order the model writes them in
