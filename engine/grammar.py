@@ -124,27 +124,31 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def only_allowed_token(matcher: llguidance.LLMatcher, vocab_size: int) -> int | None:
-    """The one token the matcher admits next, or None when it admits several (or none)."""
+    """The one token the matcher admits next, or None when it admits several (or none). Read off the packed
+    mask: one non-zero word with one bit set (unpacking the whole vocabulary would cost far more)."""
     bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
     llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-    allowed = allowed_tokens(bitmask, vocab_size)[0].nonzero()
-    return int(allowed[0, 0]) if allowed.shape[0] == 1 else None
+    words = bitmask[0].nonzero()
+    if words.shape[0] != 1:
+        return None
+    index = int(words[0, 0])
+    word = int(bitmask[0, index]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    return 32 * index + word.bit_length() - 1
 
 
 @dataclass
 class GrammarRows:
-    """The step's constrained rows of the sampling batch, and the tokens each admits ([rows, vocab] bool)."""
+    """The step's constrained rows of the sampling batch, and an additive bias for each: 0 for the tokens its
+    constraint admits, -inf for the others ([rows, vocab] float32, built on the worker thread)."""
 
     rows: torch.Tensor
-    allowed: torch.Tensor
+    bias: torch.Tensor
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """A copy of `logits` with every token the constraints refuse at -inf."""
-        logits = logits.clone()
-        rows = self.rows.to(logits.device)
-        refused = ~self.allowed.to(logits.device)
-        logits[rows] = logits[rows].masked_fill(refused, float("-inf"))
-        return logits
+        """A copy of `logits` with every token the constraints refuse at -inf: one pass over the logits."""
+        return logits.float().index_add(0, self.rows.to(logits.device), self.bias.to(logits.device))
 
 
 class StepMasks:
@@ -179,7 +183,9 @@ class StepMasks:
         pairs = [(matcher, i) for i, (_, matcher) in enumerate(constrained)]
         llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
         rows = torch.tensor([row for row, _ in constrained])
-        result = GrammarRows(rows, allowed_tokens(bitmask, self._vocab_size))
+        refused = ~allowed_tokens(bitmask, self._vocab_size)
+        bias = torch.zeros(refused.shape).masked_fill_(refused, float("-inf"))
+        result = GrammarRows(rows, bias)
         self.mask_seconds += time.perf_counter() - start
         return result
 
