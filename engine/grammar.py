@@ -35,8 +35,26 @@ JSON_OPTIONS: JsonCompileOptions = {
 }
 
 
+# Thinking ahead of the answer: the `suffix` lexeme ends at the first </think> (a greedy regex would run past it).
+_THOUGHT = 'thought[suffix="</think>"]: /(.|\n)*/'
+_THINKING_LARK = {
+    "optional": f'start: think? @answer\nthink: "<think>" thought /[ \\n]*/\n{_THOUGHT}',
+    "opened": f"start: thought /[ \\n]*/ @answer\n{_THOUGHT}",
+}
+
+
 def grammar_text(constraint: StructuredOutput) -> str:
     """The constraint as an llguidance grammar; ValueError when it is malformed."""
+    answer = _answer_grammar(constraint)
+    if constraint.thinking == "none":
+        return answer
+    grammars = json.loads(answer)["grammars"] if answer.startswith("{") else [{"lark_grammar": answer}]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    return json.dumps({"grammars": [{"lark_grammar": _THINKING_LARK[constraint.thinking]}, *grammars]})
+
+
+def _answer_grammar(constraint: StructuredOutput) -> str:
+    """llguidance's grammar: a JSON TopLevelGrammar, or Lark text (choices and grammars)."""
     kind, spec = constraint.kind, constraint.spec
     try:
         if kind == "json_schema":

@@ -7,11 +7,15 @@ grammar.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+# A reasoning model's <think>...</think> ahead of the constrained answer: none, an optional block, or the rest of
+# a block the prompt already opened.
+Thinking = Literal["none", "optional", "opened"]
 KINDS: tuple[Kind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 256 * 1024  # a constraint is compiled for every distinct one: bounded like any request field
 
@@ -23,12 +27,18 @@ class StructuredOutput:
 
     kind: Kind
     spec: str = ""
+    thinking: Thinking = "none"  # free text in <think> tags first, for reasoning models
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if len(self.spec) > MAX_SPEC_CHARS:
             raise ValueError(f"a structured output constraint may be at most {MAX_SPEC_CHARS} characters")
+
+    def after_thinking(self, opened: bool) -> StructuredOutput:
+        """The same constraint on the answer of a reasoning model, whose thinking goes unconstrained first:
+        a whole `<think>...</think>` block it may write, or (`opened`) the rest of one the prompt began."""
+        return dataclasses.replace(self, thinking="opened" if opened else "optional")
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutput:

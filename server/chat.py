@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from fastapi import APIRouter, Request
@@ -34,13 +35,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         )
     except ValueError as exc:
         raise to_api_error(exc, "messages") from exc
+    thinks = ctx.splits_reasoning and prompt_opens_reasoning(
+        str(engine.tokenizer.hf.decode(prompt[-PROMPT_TAIL_TOKENS:]))
+    )
+    if ctx.splits_reasoning and params.structured_output is not None:  # the constraint is on the answer only
+        constraint = params.structured_output.after_thinking(opened=thinks)
+        params = dataclasses.replace(params, structured_output=constraint)
     request_id, record = request.state.request_id, request.state.record
     engine_id, reservation = ctx.engine_request_id(request_id), reserved_place(request)
     streams = await start_streams(engine, engine_id, [prompt], params, "messages", body.timeout, reservation)
     logger.debug("request %s: chat, %d prompt tokens, n=%d, stream=%s", request_id, len(prompt), params.n, body.stream)
-    thinks = ctx.splits_reasoning and prompt_opens_reasoning(
-        str(engine.tokenizer.hf.decode(prompt[-PROMPT_TAIL_TOKENS:]))
-    )
     reply = ChatReply(ctx, body, tools, thinks)
     record.prompt_tokens = len(prompt)
     if body.stream:

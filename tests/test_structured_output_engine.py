@@ -174,3 +174,31 @@ def test_listed_properties_are_the_only_ones_unless_the_schema_says_otherwise() 
     assert closed["properties"]["tags"]["items"]["anyOf"][0]["additionalProperties"] is False
     assert closed["$defs"]["point"]["additionalProperties"] is False
     assert list(closed["properties"]) == ["properties", "free", "tags"]  # the order the model writes them in
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "choice", "grammar"])
+@pytest.mark.parametrize(
+    ("opened", "text"),
+    [
+        (False, '<think>maybe {"a": 1}, or not</think>\n{"a": 5}'),
+        (False, '{"a": 7}'),  # thinking is optional
+        (True, 'the prompt opened it: {"a": 1}?</think>\n\n{"a": 5}'),
+    ],
+)
+def test_a_reasoning_models_thinking_goes_unconstrained_before_the_answer(
+    tiny_llama_loaded: LoadedModel, opened: bool, text: str, kind: str
+) -> None:
+    answers = {
+        "json_schema": StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
+        "choice": StructuredOutput.choice(['{"a": 5}', '{"a": 7}']),
+        "grammar": StructuredOutput.grammar('root ::= "{\\"a\\": " [0-9] "}"'),
+    }
+    compiler = GrammarCompiler(tiny_llama_loaded.tokenizer, tiny_llama_loaded.spec.vocab_size, frozenset())
+    matcher = compiler.matcher(answers[kind].after_thinking(opened))
+    assert matcher.consume_tokens(tiny_llama_loaded.tokenizer.encode(text, add_special_tokens=False))
+    assert matcher.is_accepting()
+    wrong = compiler.matcher(answers[kind].after_thinking(opened))
+    prefix = "" if opened else "<think>"
+    assert not wrong.consume_tokens(
+        tiny_llama_loaded.tokenizer.encode(prefix + 'x</think>{"b": 1}', add_special_tokens=False)
+    )
