@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -133,6 +132,14 @@ class GrammarCompiler:
         return matcher
 
 
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """llguidance's mask layout: one int32 word per 32 tokens, every bit set (all allowed) until filled.
+
+    Written here rather than taken from llguidance.torch, whose import decorates a function with torch.compile
+    and so imports Triton early, before a program's TRITON_INTERPRET setting is read."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, vocab_size] bool from llguidance's [rows, ceil(vocab/32)] int32 bitmask (bit j of word i is
     token 32 i + j)."""
@@ -144,8 +151,8 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def only_allowed_token(matcher: llguidance.LLMatcher, vocab_size: int) -> int | None:
     """The one token the matcher admits next, or None when it admits several (or none). Read off the packed
     mask: one non-zero word with one bit set (unpacking the whole vocabulary would cost far more)."""
-    bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
-    llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+    bitmask = new_bitmask(1, vocab_size)
+    matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * 4)
     words = bitmask[0].nonzero()
     if words.shape[0] != 1:
         return None
@@ -197,9 +204,9 @@ class StepMasks:
 
     def _fill(self, constrained: list[tuple[int, llguidance.LLMatcher]]) -> GrammarRows:
         start = time.perf_counter()
-        bitmask = llguidance.torch.allocate_token_bitmask(len(constrained), self._vocab_size)
+        bitmask = new_bitmask(len(constrained), self._vocab_size)
         pairs = [(matcher, i) for i, (_, matcher) in enumerate(constrained)]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, len(constrained))
         rows = torch.tensor([row for row, _ in constrained])
         refused = ~allowed_tokens(bitmask, self._vocab_size)
         bias = torch.zeros(refused.shape).masked_fill_(refused, float("-inf"))

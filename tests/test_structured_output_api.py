@@ -308,7 +308,7 @@ def test_tool_choice_none_writes_plain_content(url: str) -> None:
         (
             {"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"},
             "invalid_value",
-            None,
+            "tool_choice",
             "cannot be combined",
         ),
         ({"messages": [{"role": "tool", "content": "x"}]}, "invalid_value", "messages.0", "tool_call_id"),
