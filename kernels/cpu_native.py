@@ -2,11 +2,11 @@
 
 Decode attention on a CPU is bound by memory traffic, and torch has no paged-attention op: the torch path
 must gather a sequence's blocks into a contiguous copy before SDPA. `csrc/paged_decode_attention.c` reads
-the blocks in place instead. (The other kernels in csrc/ are bound in kernels/cpu_layer_ops.py and
-kernels/cpu_linear.py; all of them run their loops on the thread pool of csrc/parallel.c.) The sources are
-built into one library the way Triton builds its launchers: at first use, with `cc`, into a cache keyed by the
-sources, the flags, the compiler and the CPU, so later starts load it in milliseconds. Without a compiler (or
-with PAGEDSERVE_NATIVE_KERNELS=0) the torch path runs, after one warning.
+the blocks in place instead. (The other kernels in csrc/ are bound in kernels/cpu_layer_ops.py,
+kernels/cpu_linear.py and kernels/quantized.py; all of them run their loops on the thread pool of
+csrc/parallel.c.) The sources are built into one library the way Triton builds its launchers: at first use,
+with `cc`, into a cache keyed by the sources, the flags, the compiler and the CPU, so later starts load it in
+milliseconds. Without a compiler (or with PAGEDSERVE_NATIVE_KERNELS=0) the torch path runs, after one warning.
 """
 
 from __future__ import annotations
