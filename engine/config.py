@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("auto", "none")
 
 
 @dataclass
@@ -22,6 +23,7 @@ class EngineConfig:
     device: str = "auto"  # cuda when available, else cpu
     seed: int = 0
     load_format: str = "auto"  # auto = read the weights; dummy = keep random weights (benchmarks)
+    quantization: str = "auto"  # auto: a GGUF's Q8_0/Q4_0/Q4_1 projections stay in blocks on the CPU; none: float
 
     # KV cache
     block_size: int = 16
@@ -68,6 +70,7 @@ class EngineConfig:
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]"),
             (self.dtype in DTYPES, "dtype", f"one of {DTYPES}"),
             (self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'"),
+            (self.quantization in QUANTIZATIONS, "quantization", f"one of {QUANTIZATIONS}"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "> 0"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1"),

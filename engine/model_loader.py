@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.gguf_weights import gguf_source, stored_blocks
 from pagedserve.engine.kv_sizing import model_len_limit
 from pagedserve.engine.loader import iter_safetensors, resolve_model_dir
 from pagedserve.engine.models import LlamaForCausalLM, ModelSpec
@@ -57,6 +58,22 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def _keep_stored_blocks(
+    config: EngineConfig, model: LlamaForCausalLM, model_dir: Path, device: torch.device, dtype: torch.dtype
+) -> None:
+    """A GGUF checkpoint's quantized projections multiply as stored (the CPU kernels read float32 activations)."""
+    source = gguf_source(model_dir)
+    if config.quantization == "none" or config.load_format != "auto" or source is None:
+        return
+    if device.type != "cpu" or dtype != torch.float32:
+        logger.info("%s: its projections are dequantized (stored blocks run on the CPU in float32 only)", source)
+        return
+    weights = stored_blocks(model_dir, source, model.spec)
+    model.use_quantized(weights)
+    stored = sum(weight.nbytes for weight in weights.values())
+    logger.info("%d projections kept in their stored block formats (%.0f MiB)", len(weights), stored / 2**20)
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -71,6 +88,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.load_format == "auto":
         model.load_weights(iter_safetensors(model_dir))
     model.to(device=device, dtype=dtype).eval()
+    _keep_stored_blocks(config, model, model_dir, device, dtype)
     logger.info("loaded %s (%s) on %s in %s", model_dir, spec.architecture, device, dtype)
     return LoadedModel(
         model_dir=model_dir,

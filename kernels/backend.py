@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.quantized import QuantizedWeight, quantized_linear
 
 BACKEND_NAMES = ("auto", "triton", "cpu")
 DEPRECATED_NAMES = {"torch": "cpu"}  # the CPU backend's former name, so that older configs keep working
@@ -79,6 +80,12 @@ class KernelBackend(ABC):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] @ weight^T + bias, in whichever layout the backend returns (see in_linear_output_layout)."""
         return F.linear(x, weight, bias)
+
+    def quantized_linear(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """linear() with a weight in a quantized block format (kernels/quantized.py), same output layout."""
+        return quantized_linear(x, weight, bias)
 
     def in_linear_output_layout(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, F] laid out the way linear() returns its outputs, so that the residual stream and the layer

@@ -28,6 +28,7 @@ from pagedserve.kernels.cpu_native import (
     write_kv_kernel,
 )
 from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.quantized import QuantizedWeight, quantized_linear
 
 # Batches of up to this many rows compute x @ W^T as (W @ x^T)^T: the same product, which MKL blocks better
 # in that orientation when x has few rows. Measured on every projection of SmolLM2 (fp32, 2 cores,
@@ -122,6 +123,14 @@ class CpuBackend(KernelBackend):
             return self.skinny_linear(x, weight, bias)
         out = torch.mm(weight, x.t()).t()
         return out if bias is None else out + bias
+
+    def quantized_linear(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not _feature_major(x):
+            return quantized_linear(x, weight, bias)
+        out = torch.empty(weight.shape[0], x.shape[0]).t()  # feature-major, as linear() returns
+        return quantized_linear(x, weight, bias, out=out)
 
     def in_linear_output_layout(self, x: torch.Tensor) -> torch.Tensor:
         return x.t().contiguous().t() if _feature_major(x) else x

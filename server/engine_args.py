@@ -13,12 +13,13 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any
 
-from pagedserve.engine.config import DTYPES, EngineConfig
+from pagedserve.engine.config import DTYPES, QUANTIZATIONS, EngineConfig
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
     "attention_backend": ("auto", "triton", "cpu"),
     "load_format": ("auto", "dummy"),
+    "quantization": QUANTIZATIONS,
 }
 _FIELD_COMMENT = re.compile(r"^\s+(\w+):[^#\n]*#\s*(.+)$", re.MULTILINE)
 

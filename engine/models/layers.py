@@ -11,15 +11,28 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import KernelBackend, RotaryAngles
+from pagedserve.kernels.quantized import QuantizedWeight
 
 
 class Linear(nn.Linear):
+    """A projection whose weight is float, or kept in a quantized block format (`quantize_weight`)."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool, backend: KernelBackend) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.backend = backend
+        self.quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.backend.quantized_linear(x, self.quantized, self.bias)
         return self.backend.linear(x, self.weight, self.bias)
+
+    def use_quantized(self, weight: QuantizedWeight) -> None:
+        """Multiplies by `weight` from now on and drops the float copy."""
+        if weight.shape != tuple(self.weight.shape):
+            raise ValueError(f"a {weight.shape} weight cannot replace a {tuple(self.weight.shape)} one")
+        self.quantized = weight
+        self.weight = nn.Parameter(torch.empty(0, self.in_features), requires_grad=False)
 
 
 class RMSNorm(nn.Module):

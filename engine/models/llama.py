@@ -16,6 +16,7 @@ from torch import nn
 from pagedserve.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from pagedserve.engine.models.spec import ModelSpec
 from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
+from pagedserve.kernels.quantized import QuantizedWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -83,6 +84,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False, backend=backend)
         )
+        self.quantized_head: QuantizedWeight | None = None  # a tied head's blocks (the embedding stays float)
 
     def bind_kv_caches(self, caches: list[KVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
@@ -100,9 +102,27 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_and_forward(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # The sampler reduces over the vocabulary: keep the logits dense, whatever layout linear returns.
+        if self.quantized_head is not None:
+            return self.backend.quantized_linear(hidden, self.quantized_head).contiguous()
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return self.backend.linear(hidden, weight).contiguous()
+
+    def use_quantized(self, weights: dict[str, QuantizedWeight]) -> None:
+        """Projections ("layers.3.mlp.down_proj", "lm_head") that multiply by stored blocks from now on; their
+        float copies are dropped (a tied head keeps the embedding, which lookups still read)."""
+        modules = dict(self.named_modules())
+        for name, weight in weights.items():
+            if name == "lm_head":
+                if self.lm_head is not None:
+                    self.lm_head.use_quantized(weight)
+                else:
+                    self.quantized_head = weight
+                continue
+            module = modules.get(name)
+            if not isinstance(module, Linear):
+                raise ValueError(f"{name!r} is not a projection of this model")
+            module.use_quantized(weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads transformers-named tensors, fusing q/k/v and gate/up as they arrive."""

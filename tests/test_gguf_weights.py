@@ -1,0 +1,70 @@
+"""A GGUF checkpoint's projections kept in their stored blocks: the same weights and tokens as dequantized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.engine import SamplingParams
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.gguf_weights import BLOCKS_FILE, gguf_source, read_quantized_weights, stored_blocks
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.model_loader import LoadedModel, load_model
+from pagedserve.engine.models.layers import Linear
+from pagedserve.kernels.quantized import dequantize
+from tests.test_engine import run
+
+
+@pytest.fixture(scope="module")
+def float_loaded(smol_dir: Path) -> LoadedModel:
+    return load_model(EngineConfig(model=str(smol_dir), quantization="none"))
+
+
+def test_stored_blocks_are_the_dequantized_weights(float_loaded: LoadedModel, tmp_path: Path) -> None:
+    source = gguf_source(float_loaded.model_dir)
+    assert source is not None and source.suffix == ".gguf"
+    weights = read_quantized_weights(source, float_loaded.spec)
+    params = dict(float_loaded.model.named_parameters())
+    assert len(weights) == 4 * float_loaded.spec.num_layers + 1  # qkv, o, gate/up, down per layer; the head
+    for name, weight in weights.items():
+        expected = params["embed_tokens.weight" if name == "lm_head" else f"{name}.weight"]
+        assert torch.equal(dequantize(weight), expected.data), name  # fused and un-permuted as transformers does
+    saved = stored_blocks(tmp_path, source, float_loaded.spec)
+    assert (tmp_path / BLOCKS_FILE).exists()
+    again = stored_blocks(tmp_path, source, float_loaded.spec)  # from the saved copy now
+    for name, weight in saved.items():
+        assert again[name].qtype == weight.qtype and again[name].shape == weight.shape
+        assert torch.equal(again[name].blocks, weight.blocks)
+
+
+def test_the_embedded_model_multiplies_by_its_stored_blocks(smol_loaded: LoadedModel) -> None:
+    projections = [m for m in smol_loaded.model.modules() if isinstance(m, Linear)]
+    assert projections and all(m.quantized is not None and m.weight.numel() == 0 for m in projections)
+    assert smol_loaded.model.quantized_head is not None and smol_loaded.model.quantized_head.qtype == "q8_0"
+    assert {m.quantized.qtype for m in projections if m.quantized is not None} == {"q4_1"}
+
+
+def test_greedy_tokens_equal_the_dequantized_models(smol_loaded: LoadedModel, float_loaded: LoadedModel) -> None:
+    prompts = {
+        "short": (float_loaded.tokenizer.encode("The capital of France is"), 24),
+        "chunked": (float_loaded.tokenizer.encode("Count to twenty: one, two, three, " * 12), 24),  # > 48 tokens
+    }
+
+    def generate(loaded: LoadedModel) -> dict[str, dict]:
+        engine = LLMEngine(EngineConfig(model=str(loaded.model_dir), num_kv_blocks=64), loaded=loaded)
+        params = {
+            name: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for name, (_, n) in prompts.items()
+        }
+        return run(engine, {name: (tokens, params[name]) for name, (tokens, _) in prompts.items()})
+
+    stored, dequantized = generate(smol_loaded), generate(float_loaded)
+    for key, out in dequantized.items():
+        assert stored[key]["tokens"] == out["tokens"], key
+
+
+def test_quantization_none_keeps_float_weights(float_loaded: LoadedModel) -> None:
+    projections = [m for m in float_loaded.model.modules() if isinstance(m, Linear)]
+    assert all(m.quantized is None and m.weight.numel() > 0 for m in projections)
+    assert float_loaded.model.quantized_head is None
