@@ -1,8 +1,12 @@
-"""`python -m engine`: prepares the embedded default model (converts its GGUF once) and prints its folder."""
+"""`python -m engine`: prepares the embedded default model (converts its GGUF once, saves its quantized
+blocks) and prints its folder."""
 
 import logging
 
+from pagedserve.engine.gguf_weights import save_blocks_once
 from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-print(materialize_gguf(embedded_gguf_path()))
+model_dir = materialize_gguf(embedded_gguf_path())
+save_blocks_once(model_dir)
+print(model_dir)

@@ -27,6 +27,7 @@ import torch
 from gguf import GGUFReader, ReaderTensor
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import AutoConfig
 
 from pagedserve.engine.models import ModelSpec
 from pagedserve.kernels.quantized import FORMATS, QuantizedWeight
@@ -69,20 +70,32 @@ def stored_blocks(model_dir: Path, gguf_file: Path, spec: ModelSpec) -> dict[str
     return weights
 
 
+def save_blocks_once(model_dir: Path) -> None:
+    """Saves a converted GGUF's blocks now (an image build, `python -m pagedserve.engine`), so that a later start
+    from a read-only directory finds them."""
+    source = gguf_source(model_dir)
+    if source is not None and not (model_dir / BLOCKS_FILE).exists():
+        spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
+        stored_blocks(model_dir, source, spec)
+
+
 def _save(weights: dict[str, QuantizedWeight], path: Path) -> None:
+    """Best effort: a read-only model directory (an image's, another user's) only costs the next start time."""
     tensors = {name: weight.blocks for name, weight in weights.items()}
     layout = {name: [weight.qtype, *weight.shape] for name, weight in weights.items()}
     metadata = {"format": BLOCKS_FORMAT, "layout": json.dumps(layout)}
-    path.parent.mkdir(exist_ok=True)
-    descriptor, staging = tempfile.mkstemp(dir=path.parent, prefix=".blocks-")
-    os.close(descriptor)
+    staging = None
     try:
+        path.parent.mkdir(exist_ok=True)
+        descriptor, staging = tempfile.mkstemp(dir=path.parent, prefix=".blocks-")
+        os.close(descriptor)
         save_file(tensors, staging, metadata=metadata)
         os.replace(staging, path)  # atomic: a concurrent loader never reads half a file
-    except OSError:
-        logger.warning("could not save the stored blocks to %s; the next start reads the GGUF file again", path)
+    except OSError as exc:
+        logger.warning("could not save the stored blocks to %s (%s); the next start reads the GGUF again", path, exc)
     finally:
-        Path(staging).unlink(missing_ok=True)
+        if staging is not None:
+            Path(staging).unlink(missing_ok=True)
 
 
 def _load_saved(path: Path) -> dict[str, QuantizedWeight] | None:
