@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("auto", "none")
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
 
 
 @dataclass
@@ -23,7 +23,9 @@ class EngineConfig:
     device: str = "auto"  # cuda when available, else cpu
     seed: int = 0
     load_format: str = "auto"  # auto = read the weights; dummy = keep random weights (benchmarks)
-    quantization: str = "auto"  # auto: a GGUF's Q8_0/Q4_0/Q4_1 projections stay in blocks on the CPU; none: float
+    # auto: a GGUF's Q8_0/Q4_0/Q4_1 projections stay in blocks on the CPU; none: float; q8_0, q4_0, q4_1:
+    # every projection quantized to that format at load (CPU, float32)
+    quantization: str = "auto"
 
     # KV cache
     block_size: int = 16

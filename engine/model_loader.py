@@ -17,8 +17,10 @@ from pagedserve.engine.gguf_weights import gguf_source, stored_blocks
 from pagedserve.engine.kv_sizing import model_len_limit
 from pagedserve.engine.loader import iter_safetensors, resolve_model_dir
 from pagedserve.engine.models import LlamaForCausalLM, ModelSpec
+from pagedserve.engine.models.layers import Linear
 from pagedserve.engine.tokenizer import eos_token_ids, load_tokenizer
 from pagedserve.kernels import KernelBackend, get_backend
+from pagedserve.kernels.quantized import BLOCK, FORMATS, QuantizedWeight, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -58,20 +60,42 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _keep_stored_blocks(
+def _quantize_projections(
     config: EngineConfig, model: LlamaForCausalLM, model_dir: Path, device: torch.device, dtype: torch.dtype
 ) -> None:
-    """A GGUF checkpoint's quantized projections multiply as stored (the CPU kernels read float32 activations)."""
+    """A GGUF checkpoint's quantized projections multiply as stored, or every projection is quantized to the
+    format `quantization` names (the CPU kernels read float32 activations)."""
     source = gguf_source(model_dir)
-    if config.quantization == "none" or config.load_format != "auto" or source is None:
+    on_load = config.quantization in FORMATS
+    if config.quantization == "none" or (not on_load and (source is None or config.load_format != "auto")):
         return
     if device.type != "cpu" or dtype != torch.float32:
-        logger.info("%s: its projections are dequantized (stored blocks run on the CPU in float32 only)", source)
+        logger.info("%s: projections stay float (quantized blocks run on the CPU in float32 only)", model_dir)
         return
-    weights = stored_blocks(model_dir, source, model.spec)
+    if on_load:
+        weights = quantized_on_load(model, config.quantization)
+    else:
+        assert source is not None
+        weights = stored_blocks(model_dir, source, model.spec)
     model.use_quantized(weights)
     stored = sum(weight.nbytes for weight in weights.values())
-    logger.info("%d projections kept in their stored block formats (%.0f MiB)", len(weights), stored / 2**20)
+    logger.info("%d projections multiply in block formats (%.0f MiB)", len(weights), stored / 2**20)
+
+
+def quantized_on_load(model: LlamaForCausalLM, qtype: str) -> dict[str, QuantizedWeight]:
+    """Every projection (and the LM head) quantized to `qtype`, rounding as ggml does; projections whose input
+    size is not a multiple of the 32-weight block stay float."""
+    named: dict[str, torch.Tensor] = {
+        name: module.weight.data for name, module in model.named_modules() if isinstance(module, Linear)
+    }
+    if model.lm_head is None:
+        named["lm_head"] = model.embed_tokens.weight.data
+    weights = {name: quantize(weight, qtype) for name, weight in named.items() if weight.shape[1] % BLOCK == 0}
+    if len(weights) < len(named):
+        logger.info(
+            "%d projections stay float: their input size is not a multiple of %d", len(named) - len(weights), BLOCK
+        )
+    return weights
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -88,7 +112,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.load_format == "auto":
         model.load_weights(iter_safetensors(model_dir))
     model.to(device=device, dtype=dtype).eval()
-    _keep_stored_blocks(config, model, model_dir, device, dtype)
+    _quantize_projections(config, model, model_dir, device, dtype)
     logger.info("loaded %s (%s) on %s in %s", model_dir, spec.architecture, device, dtype)
     return LoadedModel(
         model_dir=model_dir,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from pagedserve.engine.gguf_weights import BLOCKS_FILE, gguf_source, read_quanti
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.model_loader import LoadedModel, load_model
 from pagedserve.engine.models.layers import Linear
-from pagedserve.kernels.quantized import dequantize
+from pagedserve.kernels.quantized import dequantize, quantize
 from tests.test_engine import run
 
 
@@ -68,3 +69,28 @@ def test_quantization_none_keeps_float_weights(float_loaded: LoadedModel) -> Non
     projections = [m for m in float_loaded.model.modules() if isinstance(m, Linear)]
     assert all(m.quantized is None and m.weight.numel() > 0 for m in projections)
     assert float_loaded.model.quantized_head is None
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
+def test_quantization_on_load_multiplies_by_what_the_blocks_hold(
+    tiny_model_dir: Callable[[str], Path], qtype: str
+) -> None:
+    """A safetensors model quantized at load: each projection and the LM head equal the float products with
+    the weights the blocks hold (dequantize(quantize(w))); the kernels add only float rounding."""
+    folder = str(tiny_model_dir("llama"))
+    quantized = load_model(EngineConfig(model=folder, quantization=qtype))
+    float_model = load_model(EngineConfig(model=folder, quantization="none")).model
+    pairs = [
+        (twin, module)
+        for twin, module in zip(quantized.model.modules(), float_model.modules(), strict=True)
+        if isinstance(module, Linear)
+    ]
+    assert pairs and all(twin.quantized is not None and twin.quantized.qtype == qtype for twin, _ in pairs)
+    for twin, module in pairs:
+        x = torch.randn(3, module.in_features)
+        expected = x @ dequantize(quantize(module.weight.data, qtype)).T
+        torch.testing.assert_close(twin(x).contiguous(), expected, rtol=1e-4, atol=1e-4)
+    hidden = torch.randn(5, quantized.spec.hidden_size)
+    head = float_model.embed_tokens.weight if float_model.lm_head is None else float_model.lm_head.weight
+    expected = hidden @ dequantize(quantize(head.data, qtype)).T
+    torch.testing.assert_close(quantized.model.compute_logits(hidden), expected, rtol=1e-4, atol=1e-4)

@@ -103,10 +103,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The sampler reduces over the vocabulary: keep the logits dense, whatever layout linear returns.
+        if self.lm_head is not None:
+            return self.lm_head(hidden).contiguous()
         if self.quantized_head is not None:
             return self.backend.quantized_linear(hidden, self.quantized_head).contiguous()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.backend.linear(hidden, weight).contiguous()
+        return self.backend.linear(hidden, self.embed_tokens.weight).contiguous()
 
     def use_quantized(self, weights: dict[str, QuantizedWeight]) -> None:
         """Projections ("layers.3.mlp.down_proj", "lm_head") that multiply by stored blocks from now on; their
