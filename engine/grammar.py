@@ -181,7 +181,8 @@ class StepMasks:
 
     def __init__(self, vocab_size: int, num_threads: int = 1) -> None:
         self._vocab_size = vocab_size
-        self._executor = llguidance.LLExecutor(num_threads=num_threads)
+        self._num_threads = num_threads
+        self._executor: llguidance.LLExecutor | None = None  # made at the first mask: most engines never need one
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-grammar")
         self.mask_seconds = 0.0  # filling masks, on the worker thread
         self.wait_seconds = 0.0  # the step waiting for them after its forward
@@ -206,6 +207,8 @@ class StepMasks:
         start = time.perf_counter()
         bitmask = new_bitmask(len(constrained), self._vocab_size)
         pairs = [(matcher, i) for i, (_, matcher) in enumerate(constrained)]
+        if self._executor is None:  # only ever touched on the worker thread
+            self._executor = llguidance.LLExecutor(num_threads=self._num_threads)
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, len(constrained))
         rows = torch.tensor([row for row, _ in constrained])
         refused = ~allowed_tokens(bitmask, self._vocab_size)

@@ -6,7 +6,6 @@ name the field.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -150,14 +149,14 @@ class SamplingRequest(RequestBody):
         several named)."""
         return constraints_given(
             {
-                "response_format": lambda: _built(ResponseFormat.constraint, self.response_format),
-                "structured_outputs": lambda: _built(VllmStructuredOutputs.constraint, self.structured_outputs),
-                "guided_json": lambda: _built(StructuredOutput.json_schema, self.guided_json),
-                "guided_regex": lambda: _built(StructuredOutput.regex, self.guided_regex),
-                "guided_choice": lambda: _built(StructuredOutput.choice, self.guided_choice),
-                "guided_grammar": lambda: _built(StructuredOutput.grammar, self.guided_grammar),
-                "json_schema": lambda: _built(StructuredOutput.json_schema, self.json_schema),
-                "grammar": lambda: _built(StructuredOutput.grammar, self.grammar),
+                "response_format": (ResponseFormat.constraint, self.response_format),
+                "structured_outputs": (VllmStructuredOutputs.constraint, self.structured_outputs),
+                "guided_json": (StructuredOutput.json_schema, self.guided_json),
+                "guided_regex": (StructuredOutput.regex, self.guided_regex),
+                "guided_choice": (StructuredOutput.choice, self.guided_choice),
+                "guided_grammar": (StructuredOutput.grammar, self.guided_grammar),
+                "json_schema": (StructuredOutput.json_schema, self.json_schema),
+                "grammar": (StructuredOutput.grammar, self.grammar),
             }
         )
 
@@ -397,10 +396,6 @@ class CompletionRequest(SamplingRequest):
         if self.echoes_logprobs:
             prompt_logprobs = max(self.logprobs or 0, prompt_logprobs or 0)
         return self.build_sampling_params(max_tokens, self.logprobs, prompt_logprobs, self.output_constraint())
-
-
-def _built(build: Callable[[Any], StructuredOutput | None], spec: Any) -> StructuredOutput | None:
-    return None if spec is None else build(spec)
 
 
 def _is_prompt(value: Any) -> bool:

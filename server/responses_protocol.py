@@ -27,7 +27,7 @@ from pagedserve.server.protocol import (
     unsupported,
 )
 from pagedserve.server.responses import ChatTokenLogprob
-from pagedserve.server.structured import JsonSchemaFormat
+from pagedserve.server.structured import JsonSchemaFormat, json_constraint
 from pagedserve.server.tools import (
     MAX_TOOLS,
     FunctionDefinition,
@@ -164,11 +164,7 @@ class TextFormat(JsonSchemaFormat):
     def constraint(self) -> StructuredOutput | None:
         if self.type == "text":
             return None
-        if self.type == "json_object" or self.schema_ is None:
-            return StructuredOutput.json_object()
-        return StructuredOutput.json_schema(
-            self.schema_ if isinstance(self.schema_, dict) else str(self.schema_).lower()
-        )
+        return json_constraint(None if self.type == "json_object" else self.schema_)
 
 
 class TextConfig(RequestBody):

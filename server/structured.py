@@ -44,12 +44,11 @@ class ResponseFormat(BaseModel):
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return StructuredOutput.json_object() if self.schema_ is None else _json(self.schema_)
+            return json_constraint(self.schema_)
         if self.type == "json_schema":
             if self.json_schema is None:
                 raise ValueError("response_format json_schema needs a 'json_schema' object with the schema")
-            schema = self.json_schema.schema_
-            return StructuredOutput.json_object() if schema is None else _json(schema)
+            return json_constraint(self.json_schema.schema_)
         raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {self.type!r}")
 
 
@@ -67,26 +66,29 @@ class VllmStructuredOutputs(BaseModel):
     def constraint(self) -> StructuredOutput | None:
         return constraints_given(
             {
-                "json": lambda: None if self.json_ is None else _json(self.json_),
-                "regex": lambda: None if self.regex is None else StructuredOutput.regex(self.regex),
-                "choice": lambda: None if self.choice is None else StructuredOutput.choice(self.choice),
-                "grammar": lambda: None if self.grammar is None else StructuredOutput.grammar(self.grammar),
-                "json_object": lambda: StructuredOutput.json_object() if self.json_object else None,
+                "json": (schema_constraint, self.json_),
+                "regex": (StructuredOutput.regex, self.regex),
+                "choice": (StructuredOutput.choice, self.choice),
+                "grammar": (StructuredOutput.grammar, self.grammar),
+                "json_object": (lambda _: StructuredOutput.json_object(), self.json_object or None),
             },
             "structured_outputs",
         )
 
 
-Builder = Callable[[], StructuredOutput | None]
+# What turns a field's value into a constraint, and the value (None: the field names no constraint).
+Named = tuple[Callable[[Any], StructuredOutput | None], Any]
 
 
-def constraints_given(builders: dict[str, Builder], where: str | None = None) -> StructuredOutput | None:
+def constraints_given(fields: dict[str, Named], where: str | None = None) -> StructuredOutput | None:
     """The one constraint the fields name (None if none). FieldError naming the field when one is malformed,
     or when several are named."""
     named = {}
-    for field, build in builders.items():
+    for field, (build, value) in fields.items():
+        if value is None:
+            continue
         try:
-            constraint = build()
+            constraint = build(value)
         except FieldError:
             raise
         except ValueError as exc:
@@ -94,13 +96,19 @@ def constraints_given(builders: dict[str, Builder], where: str | None = None) ->
         if constraint is not None:
             named[field] = constraint
     if len(named) > 1:
-        fields = sorted(named)
-        message = f"{where or 'the request'} may name one output constraint, got {', '.join(fields)}"
-        raise FieldError(message, where or fields[-1])
+        names = sorted(named)
+        message = f"{where or 'the request'} may name one output constraint, got {', '.join(names)}"
+        raise FieldError(message, where or names[-1])
     return next(iter(named.values()), None)
 
 
-def _json(schema: dict[str, Any] | bool | str) -> StructuredOutput:
+def json_constraint(schema: dict[str, Any] | bool | None) -> StructuredOutput:
+    """A JSON schema's constraint; any JSON object without one (OpenAI's and llama.cpp's json_object)."""
+    return StructuredOutput.json_object() if schema is None else schema_constraint(schema)
+
+
+def schema_constraint(schema: dict[str, Any] | bool | str) -> StructuredOutput:
+    """A JSON schema's constraint; `true` and `false` are schemas too."""
     if isinstance(schema, bool):
         return StructuredOutput.json_schema("true" if schema else "false")
     return StructuredOutput.json_schema(schema)

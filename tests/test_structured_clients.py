@@ -17,10 +17,9 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
-from tests.servers import running_engine, serving
+from tests.servers import served_engine
 
 MODEL = "smol"
 ASK_CITY = "Describe Paris, the capital of France, as a JSON object."
@@ -63,14 +62,8 @@ TOOLS: dict[str, type[BaseModel]] = {"GetWeather": GetWeather, "GetTime": GetTim
 
 
 @pytest.fixture(scope="module")
-def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    with running_engine(EngineConfig(num_kv_blocks=256), smol_loaded) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def url(engine: AsyncEngine) -> Iterator[str]:
-    with serving(engine, ServerSettings([MODEL])) as url:
+def url(smol_loaded: LoadedModel) -> Iterator[str]:
+    with served_engine(EngineConfig(num_kv_blocks=256), smol_loaded, ServerSettings([MODEL])) as url:
         yield url
 
 

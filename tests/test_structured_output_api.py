@@ -405,26 +405,18 @@ def test_thinking_is_split_off_and_the_constraint_applies_to_the_answer(thinking
     """The assistant turn is continued inside an opened <think>: the grammar leaves the thought free and
     constrains what follows </think> (pushed by logit_bias: the small model does not think by itself)."""
     close_think = {9617: 60, 17400: 60, 46: 60}  # "</", "think", ">" in SmolLM2's vocabulary
-    body = chat(
-        thinking_url,
-        messages=[*ASK_WEATHER, {"role": "assistant", "content": "<think>"}],
-        add_generation_prompt=False,
-        continue_final_message=True,
-        guided_choice=["sunny", "rainy"],
-        logit_bias=close_think,
-        max_tokens=20,
-    ).json()
+    request = {
+        "messages": [*ASK_WEATHER, {"role": "assistant", "content": "<think>"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "guided_choice": ["sunny", "rainy"],
+        "logit_bias": close_think,
+        "max_tokens": 20,
+    }
+    body = chat(thinking_url, **request).json()
     message = body["choices"][0]["message"]
     assert message["content"] in ("sunny", "rainy"), body
     assert message["reasoning_content"] is not None and "</think>" not in message["reasoning_content"]
-    streamed = streamed_chunks(
-        thinking_url,
-        messages=[*ASK_WEATHER, {"role": "assistant", "content": "<think>"}],
-        add_generation_prompt=False,
-        continue_final_message=True,
-        guided_choice=["sunny", "rainy"],
-        logit_bias=close_think,
-        max_tokens=20,
-    )
+    streamed = streamed_chunks(thinking_url, **request)
     deltas = [chunk["choices"][0]["delta"] for chunk in streamed if chunk["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
