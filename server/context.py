@@ -34,6 +34,7 @@ class ServerSettings:
     max_request_bytes: int = 1 << 20  # larger bodies get 413
     tool_call_parser: str = "auto"  # how `tool_choice: auto` replies are read; auto = from the chat template
     reasoning_parser: str = "auto"  # "think": <think>...</think> is reasoning_content; auto = from the template
+    web_page: bool = True  # GET / serves the chat and status page (off: --disable-web-page)
 
 
 class ServingContext:

@@ -76,7 +76,7 @@ class RequestContextMiddleware:
             self.serving.in_flight -= in_flight
             route = getattr(scope.get("route"), "path", "unmatched")  # the template, not the raw path
             self.serving.metrics.observe_http(route, scope["method"], record.status)
-            if scope["path"] not in OPEN_PATHS:
+            if route_path(scope) not in OPEN_PATHS:
                 record.log()
 
 
@@ -184,8 +184,8 @@ def _client_closed(scope: Scope) -> None:
     record = _record(scope)
     if record is None:
         return
-    if scope["path"] in GENERATION_PATHS:  # the router never runs: other paths count as "unmatched"
-        scope["route"] = _RouteLabel(scope["path"])
+    if route_path(scope) in GENERATION_PATHS:  # the router never runs: other paths count as "unmatched"
+        scope["route"] = _RouteLabel(route_path(scope))
     record.status = CLIENT_CLOSED_REQUEST
     record.error_code = "client_closed"
     logger.debug("request %s: the client hung up before its body was in", record.request_id)
@@ -214,13 +214,13 @@ class LoadSheddingMiddleware:
         self.serving = serving
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+        if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
         try:
             reservation = self.serving.engine.reserve_place()
         except QueueFullError as exc:
-            scope["route"] = _RouteLabel(scope["path"])
+            scope["route"] = _RouteLabel(route_path(scope))
             error = to_api_error(exc, "prompt")
             record = _record(scope)
             if record is not None:
@@ -236,21 +236,31 @@ class LoadSheddingMiddleware:
                 reservation.release()
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes match: behind --root-path, uvicorn puts the root path in front of scope["path"]."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root) :] or "/"
+    return path
+
+
 def _record(scope: Scope) -> RequestRecord | None:
     """The request log's entry, when RequestContextMiddleware wraps this one."""
     return scope.get("state", {}).get("record")
 
 
 class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every route but the probes and /metrics (the scheme in any case,
-    as RFC 7235 has it; the key compared in constant time)."""
+    """Requires `Authorization: Bearer <key>` on every route but `open_paths`: the probes and /metrics, and the web
+    page's files, which then ask for the key (the scheme in any case, as RFC 7235 has it; the key compared in
+    constant time)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self._expected = api_key.encode()
+        self._open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        if scope["type"] != "http" or route_path(scope) in self._open_paths or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         error = APIError(

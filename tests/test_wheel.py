@@ -55,6 +55,12 @@ def test_the_wheel_installs_one_import_root_with_every_kernel_source(wheel: Path
     assert not any(name.startswith(("pagedserve/tests/", "pagedserve/benchmarks/")) for name in names)
 
 
+def test_the_wheel_ships_the_web_page(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    web = ROOT / "server" / "web"
+    assert {f"pagedserve/server/web/{path.name}" for path in web.iterdir()} <= names
+
+
 def test_pip_show_lists_no_generic_top_level_package(fresh_venv: Path) -> None:
     python = str(fresh_venv / "bin" / "python")
     shown = subprocess.run(
