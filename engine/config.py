@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """A GGUF file's linear weights kept in their stored block formats (kernels/quantized.py), for the CPU.
 
 The model itself loads from the dequantized directory made once from the file (engine/loader.py): that gives
-every tensor, in float. Then the projections whose blocks the kernels read (Q8_0, Q4_0, Q4_1) take their
-blocks from the GGUF file instead, fused as the model fuses them (q/k/v, gate/up: a block never spans rows,
-so fusing is stacking rows), and the float copies are dropped. Other types stay dequantized, with one log
-line naming them.
+every tensor, in float. Then the projections whose blocks the kernels read (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
+Q6_K) take their blocks from the GGUF file instead, fused as the model fuses them (q/k/v, gate/up: a block never
+spans rows, so fusing is stacking rows), and the float copies are dropped. Other types stay dequantized, and so
+does a fused projection whose parts differ in type (a Q4_K_M file stores some v and down projections in Q6_K,
+the rest in Q4_K: rows of two formats do not stack), with one log line naming them.
 
 llama.cpp's converter permutes the rows of Llama-architecture q and k weights (its RoPE pairs neighbouring
 features, transformers' pairs halves); transformers undoes that when it dequantizes, so the rows are put back
@@ -20,6 +21,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -37,9 +39,10 @@ logger = logging.getLogger(__name__)
 SOURCE_FILE = "pagedserve_source.json"  # written by materialize_gguf beside the dequantized weights
 BLOCKS_FILE = "pagedserve_blocks/blocks.safetensors"  # the fused blocks, saved at the first load (a folder of
 # its own: the weights loader reads every *.safetensors file at the top)
-BLOCKS_FORMAT = "1"  # bump when what is saved changes
+BLOCKS_FORMAT = "2"  # bump when what is saved changes (2: K-quants)
 PERMUTED_ARCHITECTURES = frozenset({"llama"})  # whose q/k rows llama.cpp's converter permutes
 TYPE_NAMES = {fmt.ggml_type: name for name, fmt in FORMATS.items()}
+Part = tuple[ReaderTensor, str]  # a GGUF tensor and its role ("attn_q", "ffn_down", "output")
 # Our fused projection -> the GGUF tensors stacked into it, in order.
 FUSED = {
     "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
@@ -116,26 +119,38 @@ def read_quantized_weights(gguf_file: Path, spec: ModelSpec) -> dict[str, Quanti
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     permuted = _architecture(reader) in PERMUTED_ARCHITECTURES
     weights: dict[str, QuantizedWeight] = {}
-    kept_float: list[str] = []
-    for layer in range(spec.num_layers):
-        for module, parts in FUSED.items():
-            stacked = [_rows(tensors[f"blk.{layer}.{part}.weight"], part, spec, permuted) for part in parts]
-            fused = _stack(stacked)
-            if fused is None:
-                kept_float.append(f"layers.{layer}.{module}")
-            else:
-                weights[f"layers.{layer}.{module}"] = fused
-    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
-    head_weight = None if head is None else _stack([_rows(head, "output", spec, permuted)])
-    if head_weight is None:
-        kept_float.append("lm_head")
-    else:
-        weights["lm_head"] = head_weight
+    kept_float: dict[str, str] = {}  # module -> its parts' types
+    for module, parts in _projections(tensors, spec.num_layers):
+        types = [tensor.tensor_type for tensor, _ in parts]
+        if len(set(types)) == 1 and int(types[0]) in TYPE_NAMES:
+            weights[module] = _stack([_rows(tensor, part, spec, permuted) for tensor, part in parts])
+        else:
+            kept_float[module] = "+".join(dict.fromkeys(t.name for t in types))
     if kept_float:
-        logger.info(
-            "%d projections stay dequantized (block types without a kernel), e.g. %s", len(kept_float), kept_float[:3]
-        )
+        _log_kept_float(kept_float)
     return weights
+
+
+def _projections(tensors: dict[str, ReaderTensor], num_layers: int) -> Iterator[tuple[str, list[Part]]]:
+    """Each of our projections with the GGUF tensors stacked into it, in order."""
+    for layer in range(num_layers):
+        for module, parts in FUSED.items():
+            yield f"layers.{layer}.{module}", [(tensors[f"blk.{layer}.{part}.weight"], part) for part in parts]
+    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if head is not None:
+        yield "lm_head", [(head, "output")]
+
+
+def _log_kept_float(kept_float: dict[str, str]) -> None:
+    by_types: dict[str, list[str]] = {}
+    for module, types in kept_float.items():
+        by_types.setdefault(types, []).append(module)
+    named = "; ".join(f"{types}: {', '.join(modules)}" for types, modules in by_types.items())
+    logger.info(
+        "%d projections stay dequantized (block types without a kernel, or fused parts of different types): %s",
+        len(kept_float),
+        named,
+    )
 
 
 def _architecture(reader: GGUFReader) -> str:
@@ -145,11 +160,9 @@ def _architecture(reader: GGUFReader) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def _rows(tensor: ReaderTensor, part: str, spec: ModelSpec, permuted: bool) -> QuantizedWeight | None:
-    """The tensor's blocks as a [out, in] weight in transformers' row order; None for a type without a kernel."""
-    qtype = TYPE_NAMES.get(int(tensor.tensor_type))
-    if qtype is None:
-        return None
+def _rows(tensor: ReaderTensor, part: str, spec: ModelSpec, permuted: bool) -> QuantizedWeight:
+    """The tensor's blocks (a type with a kernel) as a [out, in] weight in transformers' row order."""
+    qtype = TYPE_NAMES[int(tensor.tensor_type)]
     out_features, in_features = (int(n) for n in reversed(tensor.shape.tolist()))
     weight = QuantizedWeight.from_gguf(tensor.data, qtype, (out_features, in_features))
     heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads}.get(part)
@@ -166,13 +179,10 @@ def _unpermuted_rows(num_rows: int, num_heads: int) -> np.ndarray:
     return rows.swapaxes(2, 1).reshape(num_rows)
 
 
-def _stack(parts: list[QuantizedWeight | None]) -> QuantizedWeight | None:
-    """One weight of the parts' rows, in order; None unless all share a type with a kernel."""
-    if any(part is None for part in parts):
-        return None
-    weights = [part for part in parts if part is not None]
-    if len({w.qtype for w in weights}) != 1 or len({w.shape[1] for w in weights}) != 1:
-        return None
+def _stack(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight of the parts' rows (of one type), in order."""
+    if len({w.shape[1] for w in weights}) != 1:
+        raise ValueError(f"fused parts of different input sizes: {[w.shape for w in weights]}")
     if len(weights) == 1:
         return weights[0]
     blocks = torch.cat([w.blocks for w in weights])

@@ -218,8 +218,8 @@ def test_bad_weights_are_refused() -> None:
         QuantizedWeight.from_gguf(raw[:-1], "q4_1", (192, 576))
     with pytest.raises(ValueError, match="unknown quantization type 'q5_0'"):
         QuantizedWeight.from_gguf(raw, "q5_0", (192, 576))
-    with pytest.raises(ValueError, match="ggml type 12 is not one of"):
-        QuantizedWeight.from_gguf(raw, gguf.GGMLQuantizationType.Q4_K, (192, 576))
+    with pytest.raises(ValueError, match="ggml type 6 is not one of"):
+        QuantizedWeight.from_gguf(raw, gguf.GGMLQuantizationType.Q5_0, (192, 576))
     with pytest.raises(ValueError, match="uint8"):
         QuantizedWeight.from_gguf(raw.view(np.int8), "q4_1", (192, 576))
     with pytest.raises(ValueError, match=r"192 rows of 360 bytes, got blocks of shape \(192, 361\)"):

@@ -1,0 +1,419 @@
+/*
+ * y = x @ W^T + bias for a few tokens, with W in one of ggml's K-quant formats (Q4_K, Q5_K, Q6_K: what
+ * llama.cpp's Q4_K_M, Q5_K_M and Q6_K files store most tensors in) and x, y and the sums in float32, for the CPU.
+ *
+ * The companion of quantized_linear.c (same calling convention, same reasons): a decode step reads every
+ * weight once, so W is read as stored and each block is dequantized in registers as it streams past.
+ *
+ * Formats (ggml's; super-blocks of QK_K = 256 consecutive weights of a row, a row of W is K / 256 super-blocks
+ * in a row). Each super-block holds eight groups of 32 weights, group j weights 32j..32j+31:
+ *   Q4_K, 144 bytes: fp16 d, fp16 dmin, uint8 scales[12], uint8 qs[128]
+ *       w = d * sc[j] * q - dmin * m[j], q a 4-bit nibble; sc[j], m[j] are 6-bit, packed in scales[12]:
+ *       j < 4: sc = scales[j] & 63, m = scales[j + 4] & 63; j >= 4: low four bits in scales[j + 4] (sc low
+ *       nibble, m high nibble), top two in bits 6-7 of scales[j - 4] (sc) and scales[j] (m).
+ *       Groups 2i and 2i + 1 share qs[32i..32i+31]: group 2i in their low nibbles, 2i + 1 in their high ones.
+ *   Q5_K, 176 bytes: fp16 d, fp16 dmin, uint8 scales[12], uint8 qh[32], uint8 qs[128]
+ *       as Q4_K, with a fifth bit: q of weight l of group j = nibble | (bit j of qh[l]) << 4.
+ *   Q6_K, 210 bytes: uint8 ql[128], uint8 qh[64], int8 scales[16], fp16 d
+ *       w = d * scales[i] * (q - 32), i = weight / 16; q 6-bit. Halves of 128 weights (h = 0, 1) each own
+ *       ql[64h..64h+63] and qh[32h..32h+31]; weight 32s + l of a half (s < 4, l < 32) has its low four bits
+ *       in ql[64h + 32(s % 2) + l] (low nibble for s < 2, high for s >= 2), its top two in bits 2s, 2s + 1 of
+ *       qh[32h + l].
+ * They are chosen by ggml's type id, as GGUF numbers them.
+ *
+ * Every product d * sc * q is exact in float32 (11-bit d, 6- or 8-bit sc, 4- to 6-bit q: at most 23 bits), so
+ * the weights dequantized here are bit for bit gguf-py's, fused multiply-add or not.
+ *
+ * Layout: x is token-major, [M, K] with rows `ldx` floats apart; y is [M, N], written with strides `ldy_token`
+ * and `ldy_row`, so the caller picks token-major (ldy_row = 1) or feature-major (ldy_token = 1) output.
+ *
+ * Byte planes: a group's 32 bytes (its nibbles, or its 6-bit values once assembled) are read as eight 32-bit
+ * words, and vector k of the group holds byte k of every word: weights k, k + 4, ..., k + 28. Extracting a plane
+ * is a shift and a mask of whole words, where widening bytes in their stored order would take a shuffle each
+ * (and GCC 12 widens all but the lowest eight bytes of a register one lane at a time). So x is permuted the same
+ * way once per call (permute_x), and every dot product runs in plane order. Each plane of a Q6_K group holds
+ * weights of both its 16-weight sub-blocks: lanes 0-3 the first's, 4-7 the second's.
+ *
+ * Register tile, as in quantized_linear.c: one weight row x up to TOKENS tokens. Each super-block's scales are
+ * unpacked once; each group of 32 weights is dequantized into four vectors and every token of the tile adds
+ * their products with its 32 activations. A single token takes the product regrouped (row_single): the integer
+ * q times x, scaled once per group, with the mins' term from x's group sums.
+ *
+ * kquant_dequantize_f32 writes W out in float32 (each group's planes transposed back to its weights' order) for
+ * prefill, where a float32 matmul of a few rows at a time beats this kernel.
+ *
+ * Built at first use with the system C compiler (kernels/cpu_native.py), for the host CPU.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "parallel.h"
+#include "vector_math.h"
+
+enum { QK_K = 256, GROUP = 32, GROUPS = QK_K / GROUP, TOKENS = 8 };
+/* ggml's type ids (GGUF's tensor types). */
+enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+/* The formats in this file's tables, and each one's super-block size in bytes. */
+enum format { Q4_K, Q5_K, Q6_K, FORMATS };
+static const int64_t BLOCK_BYTES[FORMATS] = {144, 176, 210};
+/* Weights a unit of parallel work holds at least: a few microseconds of work. */
+enum { GRAIN_WEIGHTS = 32768 };
+
+/* A group's 32 bytes as eight words, and eight bytes, from any address. */
+typedef uint32_t words __attribute__((vector_size(32), aligned(1), may_alias));
+typedef uint8_t bytes8 __attribute__((vector_size(8), aligned(1), may_alias));
+typedef int8_t signed_bytes32 __attribute__((vector_size(32)));
+typedef int32_t ints __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+/* Byte k of each word as floats, unsigned or signed (shifted to the top, then arithmetically down). */
+static inline vec byte_plane(words v, int k) { return __builtin_convertvector((ints)((v >> (8 * k)) & 0xFF), vec); }
+static inline vec signed_byte_plane(words v, int k) {
+    return __builtin_convertvector((ints)(v << (24 - 8 * k)) >> 24, vec);
+}
+
+/* The four bytes of `low`, then of `high`, as eight floats: one variable shift of broadcast words (GCC 12 would
+ * move eight bytes into a vector one at a time). */
+static inline vec bytes_of_words(uint32_t low, uint32_t high) {
+    const words v = {low, low, low, low, high, high, high, high}, shifts = {0, 8, 16, 24, 0, 8, 16, 24};
+    return __builtin_convertvector((ints)((v >> shifts) & 0xFF), vec);
+}
+
+/* Eight bytes as floats, read unsigned less `offset` (GCC 12 converts a byte vector one lane at a time when it
+ * is signed or comes straight from memory: see quantized_linear.c). */
+static inline vec bytes_to_floats(bytes8 b, int32_t offset) {
+    return __builtin_convertvector(__builtin_convertvector(b, ints) - offset, vec);
+}
+
+/* An fp16 scale, stored little-endian (as GGUF is, and every host this runs on). */
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t bits;
+    memcpy(&bits, p, sizeof bits); /* Q6_K's d sits at byte 208 of a 210-byte block: not 2-byte aligned */
+#if defined(__FLT16_MAX__)
+    __extension__ _Float16 half; /* one instruction with F16C (x86) or on ARMv8 */
+    memcpy(&half, &bits, sizeof half);
+    return (float)half;
+#else
+    const uint32_t sign = (uint32_t)(bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1Fu, mantissa = bits & 0x3FFu;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float */
+        const float magnitude = (float)mantissa * 0x1p-24f;
+        return sign ? -magnitude : magnitude;
+    }
+    const uint32_t exponent32 = exponent == 0x1Fu ? 0xFFu : exponent + 112u; /* rebias; inf and NaN stay so */
+    const union { uint32_t bits; float value; } result = {.bits = sign | exponent32 << 23 | mantissa << 13};
+    return result.value;
+#endif
+}
+
+/*
+ * A super-block's scales as floats: Q4_K and Q5_K subtract min[j] from d * sc[j] * q in group j, scale[j] =
+ * d * sc[j]; Q6_K's scale[i] multiplies weights 16i..16i+15.
+ */
+typedef struct {
+    float scale[QK_K / 16];
+    float min[GROUPS];
+} super_scales;
+
+static inline __attribute__((always_inline)) super_scales unpack_scales(const uint8_t *block,
+                                                                        const enum format format) {
+    super_scales out;
+    if (format == Q6_K) {
+        const vec d = splat(half_to_float(block + 208));
+        store(out.scale, d * bytes_to_floats(*(const bytes8 *)(block + 192) ^ 0x80, 128));
+        store(out.scale + LANES, d * bytes_to_floats(*(const bytes8 *)(block + 200) ^ 0x80, 128));
+        return out;
+    }
+    /* The 12 bytes as three words: the low 6 bits of words 0 (scales 0-3) and 1 (mins 0-3); word 2 the low
+     * nibbles of scales 4-7 and (high nibbles) mins 4-7, whose top 2 bits are bits 6-7 of words 0 and 1. */
+    uint32_t packed[3];
+    memcpy(packed, block + 4, sizeof packed);
+    const uint32_t six = 0x3F3F3F3Fu, nibble = 0x0F0F0F0Fu, two = 0x03030303u;
+    const vec scales = bytes_of_words(packed[0] & six, (packed[2] & nibble) | ((packed[0] >> 6) & two) << 4);
+    const vec mins = bytes_of_words(packed[1] & six, ((packed[2] >> 4) & nibble) | ((packed[1] >> 6) & two) << 4);
+    store(out.scale, splat(half_to_float(block)) * scales);
+    store(out.min, splat(half_to_float(block + 2)) * mins);
+    return out;
+}
+
+/*
+ * Group j's 32 quantized values q (Q6_K's less 32) as its four byte planes, floats. Always inlined with a
+ * constant format and, in unrolled loops, a constant j, so only that group's shifts and masks remain.
+ */
+static inline __attribute__((always_inline)) void group_q(const uint8_t *block, const enum format format,
+                                                          const int j, vec q[4]) {
+    if (format == Q6_K) {
+        const int half = j / 4, s = j % 4;
+        const words low = *(const words *)(block + 64 * half + 32 * (s % 2));
+        const words high = *(const words *)(block + 128 + 32 * half);
+        words value = ((low >> (4 * (s / 2))) & 0x0F0F0F0Fu) | ((high >> (2 * s)) & 0x03030303u) << 4;
+        value = (words)((signed_bytes32)value - 32); /* byte lanes: no borrow crosses into the next weight */
+        for (int k = 0; k < 4; ++k) q[k] = signed_byte_plane(value, k);
+        return;
+    }
+    const words packed = *(const words *)(block + (format == Q5_K ? 48 : 16) + 32 * (j / 2));
+    words value = (packed >> (4 * (j % 2))) & 0x0F0F0F0Fu;
+    if (format == Q5_K) value |= ((*(const words *)(block + 16) >> j) & 0x01010101u) << 4;
+    for (int k = 0; k < 4; ++k) q[k] = byte_plane(value, k);
+}
+
+/* Group j's scale, lane by lane (Q6_K: the first sub-block's in lanes 0-3, the second's in 4-7). */
+static inline __attribute__((always_inline)) vec group_scale(const super_scales *u, const enum format format,
+                                                             const int j) {
+    if (format != Q6_K) return splat(u->scale[j]);
+    const float first = u->scale[2 * j], second = u->scale[2 * j + 1];
+    return (vec){first, first, first, first, second, second, second, second};
+}
+
+/* Group j's weights as its four byte planes: scale * q - min (exact product, one rounding: gguf-py's). */
+static inline __attribute__((always_inline)) void dequantize_group(const uint8_t *block, const super_scales *u,
+                                                                   const enum format format, const int j,
+                                                                   vec w[4]) {
+    vec q[4];
+    group_q(block, format, j, q);
+    const vec scale = group_scale(u, format, j);
+    for (int k = 0; k < 4; ++k) w[k] = format == Q6_K ? scale * q[k] : scale * q[k] - splat(u->min[j]);
+}
+
+/*
+ * y[t * ldy_token] = sum_k w[k] * x[t * ldx + k] + bias, t < tokens, for one weight row of `blocks`
+ * super-blocks and x in plane order, dequantizing each group once for all the tokens. Always inlined with
+ * constant format and tokens, so the token loop unrolls and the accumulators live in registers.
+ */
+static inline __attribute__((always_inline)) void row_tile(float *y, int64_t ldy_token, const float *x, int64_t ldx,
+                                                           const uint8_t *row, int64_t blocks, float bias,
+                                                           const enum format format, const int tokens) {
+    /* Named accumulators, not an array: GCC keeps these in registers through the block loop. */
+    vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *block = row + b * BLOCK_BYTES[format];
+        const super_scales u = unpack_scales(block, format);
+#pragma GCC unroll 8
+        for (int j = 0; j < GROUPS; ++j) {
+            vec w[4];
+            dequantize_group(block, &u, format, j, w);
+            const float *xg = x + b * QK_K + j * GROUP;
+            /* As in quantized_linear.c: one or two tokens sum the four products first (one dependent add
+             * a group), from three the tokens' chains interleave and fused multiply-adds are faster. */
+#define ACCUMULATE(t)                                                                                             \
+    if (tokens > t) {                                                                                             \
+        const float *xt = xg + t * ldx;                                                                           \
+        if (tokens >= 3) {                                                                                        \
+            a##t += w[0] * load(xt);                                                                              \
+            a##t += w[1] * load(xt + LANES);                                                                      \
+            a##t += w[2] * load(xt + 2 * LANES);                                                                  \
+            a##t += w[3] * load(xt + 3 * LANES);                                                                  \
+        } else {                                                                                                  \
+            a##t += w[0] * load(xt) + w[1] * load(xt + LANES) + w[2] * load(xt + 2 * LANES) +                     \
+                    w[3] * load(xt + 3 * LANES);                                                                  \
+        }                                                                                                         \
+    }
+            ACCUMULATE(0) ACCUMULATE(1) ACCUMULATE(2) ACCUMULATE(3) ACCUMULATE(4) ACCUMULATE(5) ACCUMULATE(6)
+            ACCUMULATE(7)
+#undef ACCUMULATE
+        }
+    }
+    const vec sums = transposed_sums(a0, a1, a2, a3, a4, a5, a6, a7); /* lane t: token t's dot product */
+    for (int t = 0; t < tokens; ++t) y[t * ldy_token] = sums[t] + bias;
+}
+
+/*
+ * One token: y = sum over groups of scale * (q . x_group) - sum over groups of min * sum(x_group) + bias, with
+ * x in plane order and its group sums (Q4_K and Q5_K; Q6_K has no mins) computed once per call. The same
+ * product as row_tile's, regrouped: nothing shares a dequantized group, and this skips the multiply-adds that
+ * dequantize it.
+ */
+static inline __attribute__((always_inline)) void row_single(float *y, const float *x, const float *x_sums,
+                                                             const uint8_t *row, int64_t blocks, float bias,
+                                                             const enum format format) {
+    vec scaled = {0}, offsets = {0};
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *block = row + b * BLOCK_BYTES[format];
+        const super_scales u = unpack_scales(block, format);
+#pragma GCC unroll 8
+        for (int j = 0; j < GROUPS; ++j) {
+            vec q[4];
+            group_q(block, format, j, q);
+            const float *xg = x + b * QK_K + j * GROUP;
+            const vec dot = q[0] * load(xg) + q[1] * load(xg + LANES) + q[2] * load(xg + 2 * LANES) +
+                            q[3] * load(xg + 3 * LANES);
+            scaled += group_scale(&u, format, j) * dot;
+        }
+        if (format != Q6_K) offsets += load(u.min) * load(x_sums + b * GROUPS);
+    }
+    *y = horizontal_sum(scaled) - horizontal_sum(offsets) + bias;
+}
+
+/* The row kernels for one format: row_single, and row_tile for each token count. */
+typedef void single_kernel(float *, const float *, const float *, const uint8_t *, int64_t, float);
+typedef void tile_kernel(float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, float);
+#define SINGLE_KERNEL(format)                                                                                     \
+    static void single_##format(float *y, const float *x, const float *x_sums, const uint8_t *row, int64_t blocks, \
+                                float bias) {                                                                     \
+        row_single(y, x, x_sums, row, blocks, bias, format);                                                      \
+    }
+#define TILE_KERNEL(format, tokens)                                                                               \
+    static void tile_##format##_##tokens(float *y, int64_t ldy_token, const float *x, int64_t ldx,               \
+                                         const uint8_t *row, int64_t blocks, float bias) {                        \
+        row_tile(y, ldy_token, x, ldx, row, blocks, bias, format, tokens);                                        \
+    }
+#define FORMAT_KERNELS(format)                                                                                    \
+    SINGLE_KERNEL(format)                                                                                         \
+    TILE_KERNEL(format, 1) TILE_KERNEL(format, 2) TILE_KERNEL(format, 3) TILE_KERNEL(format, 4)                   \
+    TILE_KERNEL(format, 5) TILE_KERNEL(format, 6) TILE_KERNEL(format, 7) TILE_KERNEL(format, 8)
+FORMAT_KERNELS(Q4_K) FORMAT_KERNELS(Q5_K) FORMAT_KERNELS(Q6_K)
+#define TILE_ROW(format)                                                                                          \
+    {tile_##format##_1, tile_##format##_2, tile_##format##_3, tile_##format##_4,                                  \
+     tile_##format##_5, tile_##format##_6, tile_##format##_7, tile_##format##_8}
+static single_kernel *const SINGLES[FORMATS] = {single_Q4_K, single_Q5_K, single_Q6_K};
+static tile_kernel *const TILES[FORMATS][TOKENS] = {TILE_ROW(Q4_K), TILE_ROW(Q5_K), TILE_ROW(Q6_K)};
+#undef TILE_ROW
+#undef FORMAT_KERNELS
+#undef TILE_KERNEL
+#undef SINGLE_KERNEL
+
+typedef struct {
+    float *y;
+    int64_t ldy_token, ldy_row;
+    const float *x, *x_sums; /* x in plane order; x_sums: a single Q4_K or Q5_K token's group sums, else NULL */
+    int64_t ldx;
+    const uint8_t *w;
+    const float *bias;
+    int64_t M, K;
+    enum format format;
+} linear_job;
+
+/* Output rows [begin, end): each row's blocks once from memory, then from L1 for each further token tile. */
+static void linear_rows(void *context, int64_t begin, int64_t end) {
+    const linear_job *job = context;
+    const int64_t blocks = job->K / QK_K, row_bytes = blocks * BLOCK_BYTES[job->format];
+    for (int64_t n = begin; n < end; ++n) {
+        const uint8_t *row = job->w + n * row_bytes;
+        const float bias = job->bias ? job->bias[n] : 0.0f;
+        if (job->M == 1) {
+            SINGLES[job->format](job->y + n * job->ldy_row, job->x, job->x_sums, row, blocks, bias);
+            continue;
+        }
+        for (int64_t m = 0; m < job->M; m += TOKENS) {
+            const int tokens = job->M - m < TOKENS ? (int)(job->M - m) : TOKENS;
+            TILES[job->format][tokens - 1](job->y + m * job->ldy_token + n * job->ldy_row, job->ldy_token,
+                                           job->x + m * job->ldx, job->ldx, row, blocks, bias);
+        }
+    }
+}
+
+/* The format of a ggml type id, or FORMATS for one this file does not read. */
+static enum format format_of(int ggml_type) {
+    switch (ggml_type) {
+    case GGML_Q4_K: return Q4_K;
+    case GGML_Q5_K: return Q5_K;
+    case GGML_Q6_K: return Q6_K;
+    default: return FORMATS;
+    }
+}
+
+/* One token's K activations in plane order: within each group of 32, vector k holds features k, k + 4, ...,
+ * k + 28, as byte plane k holds those weights. */
+static void permute_x(float *out, const float *x, int64_t K) {
+    for (int64_t g = 0; g < K; g += GROUP)
+        for (int k = 0; k < 4; ++k)
+            for (int lane = 0; lane < LANES; ++lane) out[g + k * LANES + lane] = x[g + 4 * lane + k];
+}
+
+/* Rows a unit of parallel work: GRAIN_WEIGHTS weights' work, counting a row once per pass over it. */
+static int64_t grain_rows(int64_t K, int64_t passes) {
+    const int64_t work = K * (passes > 1 ? passes : 1);
+    return work >= GRAIN_WEIGHTS ? 1 : GRAIN_WEIGHTS / work;
+}
+
+/*
+ * y[m, n] = sum_k W[n, k] * x[m, k] + bias[n] (bias may be NULL), for m < M tokens and n < N rows, W in the
+ * format of ggml type id `ggml_type` (Q4_K, Q5_K or Q6_K), N rows of K / 256 super-blocks each, contiguous.
+ * Returns 0; -1 (y untouched) for another type or a K that is not a positive multiple of 256; -2 if scratch
+ * memory ran out.
+ */
+int kquant_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx, const uint8_t *w,
+                      const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type, int num_threads) {
+    const enum format format = format_of(ggml_type);
+    if (format == FORMATS || K <= 0 || K % QK_K != 0) return -1;
+    if (M <= 0) return 0;
+    /* Scratch: x in plane order, M x K; then, for one token of Q4_K or Q5_K (row_single), its group sums. */
+    const int64_t sums = M == 1 && format != Q6_K ? K / GROUP : 0;
+    float *scratch = malloc(sizeof(float) * (size_t)(M * K + sums));
+    if (scratch == NULL) return -2;
+    for (int64_t m = 0; m < M; ++m) permute_x(scratch + m * K, x + m * ldx, K);
+    float *x_sums = sums ? scratch + M * K : NULL;
+    for (int64_t g = 0; g < sums; ++g) {
+        const float *xg = scratch + g * GROUP;
+        x_sums[g] = horizontal_sum(load(xg) + load(xg + LANES) + load(xg + 2 * LANES) + load(xg + 3 * LANES));
+    }
+    linear_job job = {y, ldy_token, ldy_row, scratch, x_sums, K, w, bias, M, K, format};
+    parallel_for(N, grain_rows(K, (M + TOKENS - 1) / TOKENS), num_threads, linear_rows, &job);
+    free(scratch);
+    return 0;
+}
+
+typedef struct {
+    float *out;
+    const uint8_t *w;
+    int64_t K;
+    enum format format;
+} dequantize_job;
+
+/*
+ * A group's four byte planes as its 32 weights in order: weight 4 * lane + k is plane k's lane, so floats
+ * 8m..8m+7 are lanes 2m and 2m + 1 of the four planes (a 4 x 8 transpose, in three rounds of shuffles).
+ */
+static inline void store_in_order(float *out, const vec plane[4]) {
+    const vec low01 = SHUFFLE(plane[0], plane[1], 0, 8, 1, 9, 4, 12, 5, 13);
+    const vec low23 = SHUFFLE(plane[2], plane[3], 0, 8, 1, 9, 4, 12, 5, 13);
+    const vec high01 = SHUFFLE(plane[0], plane[1], 2, 10, 3, 11, 6, 14, 7, 15);
+    const vec high23 = SHUFFLE(plane[2], plane[3], 2, 10, 3, 11, 6, 14, 7, 15);
+    const vec lanes04 = SHUFFLE(low01, low23, 0, 1, 8, 9, 4, 5, 12, 13); /* lane 0's four weights, then lane 4's */
+    const vec lanes15 = SHUFFLE(low01, low23, 2, 3, 10, 11, 6, 7, 14, 15);
+    const vec lanes26 = SHUFFLE(high01, high23, 0, 1, 8, 9, 4, 5, 12, 13);
+    const vec lanes37 = SHUFFLE(high01, high23, 2, 3, 10, 11, 6, 7, 14, 15);
+    store(out, SHUFFLE(lanes04, lanes15, 0, 1, 2, 3, 8, 9, 10, 11));
+    store(out + LANES, SHUFFLE(lanes26, lanes37, 0, 1, 2, 3, 8, 9, 10, 11));
+    store(out + 2 * LANES, SHUFFLE(lanes04, lanes15, 4, 5, 6, 7, 12, 13, 14, 15));
+    store(out + 3 * LANES, SHUFFLE(lanes26, lanes37, 4, 5, 6, 7, 12, 13, 14, 15));
+}
+
+/* One super-block's 256 weights into out. */
+static inline __attribute__((always_inline)) void dequantize_block(float *out, const uint8_t *block,
+                                                                   const enum format format) {
+    const super_scales u = unpack_scales(block, format);
+#pragma GCC unroll 8
+    for (int j = 0; j < GROUPS; ++j) {
+        vec w[4];
+        dequantize_group(block, &u, format, j, w);
+        store_in_order(out + j * GROUP, w);
+    }
+}
+
+/* Rows [begin, end) of W: their super-blocks are consecutive, as are the 256 floats of each. */
+static void dequantize_rows(void *context, int64_t begin, int64_t end) {
+    const dequantize_job *job = context;
+    const int64_t blocks = job->K / QK_K, block_bytes = BLOCK_BYTES[job->format];
+    const uint8_t *block = job->w + begin * blocks * block_bytes;
+    float *out = job->out + begin * job->K;
+    for (int64_t b = begin * blocks; b < end * blocks; ++b, block += block_bytes, out += QK_K) {
+        switch (job->format) { /* constant in each case: the dequantization inlines for that format */
+        case Q4_K: dequantize_block(out, block, Q4_K); break;
+        case Q5_K: dequantize_block(out, block, Q5_K); break;
+        default: dequantize_block(out, block, Q6_K); break;
+        }
+    }
+}
+
+/*
+ * out [N, K] = W in float32, W as for kquant_linear_f32: for many tokens, where the product is bound by
+ * arithmetic and a float32 matmul of a few rows at a time beats the kernel above. Returns 0, or -1 (out
+ * untouched) for another type or a K that is not a positive multiple of 256.
+ */
+int kquant_dequantize_f32(float *out, const uint8_t *w, int64_t N, int64_t K, int ggml_type, int num_threads) {
+    const enum format format = format_of(ggml_type);
+    if (format == FORMATS || K <= 0 || K % QK_K != 0) return -1;
+    dequantize_job job = {out, w, K, format};
+    parallel_for(N, grain_rows(K, 1), num_threads, dequantize_rows, &job);
+    return 0;
+}
