@@ -55,6 +55,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU
     engine_process: bool = True  # the engine core in a process of its own (False: a thread of the caller's)
     engine_niceness: int = 5  # added to the core process's nice value: HTTP, probes and streams run first
+    tensor_parallel_size: int = 1  # ranks the model is split over, one process each (gloo on CPU, NCCL on CUDA)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,10 +80,17 @@ class EngineConfig:
             (self.max_queue_time is None or self.max_queue_time > 0, "max_queue_time", "> 0 seconds"),
             (self.request_timeout is None or self.request_timeout > 0, "request_timeout", "> 0 seconds"),
             (0 <= self.engine_niceness <= 19, "engine_niceness", "in [0, 19]"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1"),
         ]
         for ok, name, rule in checks:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+        if self.tensor_parallel_size > 1 and self.quantization not in ("auto", "none"):
+            # Block formats are not split across ranks yet; `auto` falls back to float weights (model_loader).
+            raise ValueError(
+                f"quantization {self.quantization!r} runs on one rank only: use tensor_parallel_size 1, "
+                "or quantization 'none' with tensor parallelism"
+            )
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -50,6 +50,8 @@ def run_core(make_engine: Callable[[], LLMEngine], inbox: queue.SimpleQueue[Comm
     except BaseException as exc:
         logger.exception("the engine core died")
         emit(CoreFailed(f"the engine failed: {exc!r}"))
+    finally:
+        engine.close()  # ends the tensor-parallel ranks, whichever way the loop ended
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
@@ -79,7 +81,12 @@ class EngineCore:
     def serve_once(self, inbox: queue.SimpleQueue[Command], emit: Emit) -> bool:
         """Runs the inbox's commands, then one step when there is work (blocks on the inbox when idle)."""
         out = StepOutput(deltas=[], snapshot=EngineSnapshot())
-        for command in _take(inbox, block=not self.engine.has_unfinished_requests()):
+        idle = not self.engine.has_unfinished_requests()
+        commands = _take(inbox, block=idle, timeout=self.engine.health_check_seconds)
+        if idle and not commands:  # woken to check on what runs beside the engine: a lost rank raises
+            self.engine.check_health()
+            return True
+        for command in commands:
             if isinstance(command, Shutdown):
                 out.deltas += self._abort(list(self.engine.request_ids()))
                 out.snapshot = self.engine.snapshot()
@@ -130,8 +137,14 @@ class EngineCore:
         return admitted
 
 
-def _take(inbox: queue.SimpleQueue[Command], block: bool) -> list[Command]:
-    commands = [inbox.get()] if block else []
+def _take(inbox: queue.SimpleQueue[Command], block: bool, timeout: float | None = None) -> list[Command]:
+    """Every command waiting; when `block`, waits for the first (up to `timeout`, then returns none)."""
+    commands: list[Command] = []
+    if block:
+        try:
+            commands.append(inbox.get(timeout=timeout))
+        except queue.Empty:
+            return commands
     while True:
         try:
             commands.append(inbox.get_nowait())

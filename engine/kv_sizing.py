@@ -6,6 +6,7 @@ and the runner only read the plan.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,8 +40,10 @@ class KVCachePlan:
 
 
 def plan_kv_cache(config: EngineConfig, loaded: LoadedModel) -> KVCachePlan:
-    """The configured number of blocks, or as many as the memory budget holds (profiled first on CUDA)."""
-    bytes_per_block = kv_bytes_per_block(loaded.spec, config.block_size, loaded.dtype)
+    """The configured number of blocks, or as many as the memory budget holds (profiled first on CUDA). Split
+    over ranks, each rank's cache holds its own KV heads in as many blocks as rank 0's (one block table)."""
+    rank_spec = loaded.spec.for_rank(config.tensor_parallel_size)
+    bytes_per_block = kv_bytes_per_block(rank_spec, config.block_size, loaded.dtype)
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
         # An explicit kv_cache_memory is the budget as it is: no profiling pass to subtract from it.
@@ -102,4 +105,15 @@ def _profile_peak_memory(config: EngineConfig, loaded: LoadedModel) -> int | Non
         return None
     from pagedserve.engine.profiling import profile_forward_peak  # here: profiling imports kv_sizing's importers
 
-    return profile_forward_peak(loaded, config)
+    if config.tensor_parallel_size == 1:
+        return profile_forward_peak(loaded, config)
+    assert loaded.group is not None, "a split model is loaded with its group"
+    from pagedserve.engine.distributed.commands import Command, send_command
+
+    send_command(loaded.group, Command.PROFILE)  # every rank runs the pass: its collectives need them all
+    return profile_forward_peak(rank_view(loaded), config)
+
+
+def rank_view(loaded: LoadedModel) -> LoadedModel:
+    """`loaded` as code that sizes caches from `spec` should see it: with this rank's heads."""
+    return dataclasses.replace(loaded, spec=loaded.rank_spec)

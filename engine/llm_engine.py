@@ -16,9 +16,11 @@ from pagedserve.engine.constraints import Constraints
 from pagedserve.engine.core_messages import EngineSnapshot
 from pagedserve.engine.cuda_graphs import cuda_graph_capture, graph_batch_sizes
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.distributed.launcher import TensorParallelWorkers, threads_per_rank
+from pagedserve.engine.distributed.liveness import RankLostError
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.kv_sizing import plan_kv_cache
-from pagedserve.engine.model_loader import LoadedModel, load_model
+from pagedserve.engine.model_loader import LoadedModel, load_model, resolve_device
 from pagedserve.engine.model_runner import ModelRunner, allocate_kv_caches
 from pagedserve.engine.outputs import PromptLogprobs, RequestMetrics, SequenceDelta, TokenLogprob
 from pagedserve.engine.parallel_sampling import RequestGroups, expand_logits, make_samples, sibling_rows
@@ -44,15 +46,38 @@ class EngineStats:
     peak_kv_slots: int = 0  # block slots allocated at that step
     peak_running: int = 0
     forward_seconds: float = 0.0  # in the model's forward; filled by collect_stats from the runner's clock
+    communication_seconds: float = 0.0  # rank 0's time in tensor-parallel collectives (inside forward_seconds)
+    tensor_parallel_size: int = 1
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        """With tensor_parallel_size N > 1 this is rank 0: it starts ranks 1..N-1 and drives them each step;
+        close() ends them."""
         self.config = config or EngineConfig()
-        self.loaded = loaded or load_model(self.config)
+        self.workers: TensorParallelWorkers | None = None
+        if self.config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("a model loaded in this process cannot be split: use tensor_parallel_size 1")
+            self.workers = TensorParallelWorkers.start(self.config, resolve_device(self.config.device))
+        try:
+            self._build(loaded)
+        except BaseException as exc:
+            lost = None if self.workers is None else self.workers.monitor.failure
+            self.close()
+            if lost is not None:  # the rank's death says more than the collective that failed after it
+                raise RankLostError(lost) from exc
+            raise
+
+    def _build(self, loaded: LoadedModel | None) -> None:
+        workers = self.workers
+        self.loaded = loaded or (
+            load_model(self.config) if workers is None else load_model(self.config, workers.group, workers.check)
+        )
         openmp_policy.warn_if_set_too_late(self.loaded.device.type)
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
+        threads = threads_per_rank(self.config, self.loaded.device)
+        if threads:
+            torch.set_num_threads(threads)
         self.tokenizer = self.loaded.tokenizer
         plan = plan_kv_cache(self.config, self.loaded)
         self.max_model_len = plan.max_model_len
@@ -71,12 +96,16 @@ class LLMEngine:
             self.config.enable_prefix_caching,
             hashlib.sha256(identity).digest(),
         )
+        if self.workers is not None:
+            self.workers.allocate(plan.num_blocks, plan.block_size)
         caches = allocate_kv_caches(
-            self.loaded.spec, plan.num_blocks, plan.block_size, self.loaded.dtype, self.loaded.device
+            self.loaded.rank_spec, plan.num_blocks, plan.block_size, self.loaded.dtype, self.loaded.device
         )
         self.runner = ModelRunner(self.loaded.model, self.loaded.backend, self.kv, caches, self.loaded.device)
         if self._use_cuda_graphs():
             sizes = graph_batch_sizes(self.config.max_num_seqs)
+            if self.workers is not None:
+                self.workers.capture(sizes, self.max_model_len)
             self.runner.capture_decode_graphs(sizes, self.max_model_len, cuda_graph_capture())
         self.scheduler = Scheduler(
             self.kv,
@@ -182,11 +211,35 @@ class LLMEngine:
         )
 
     def collect_stats(self, reset: bool = False) -> EngineStats:
-        stats = dataclasses.replace(self.stats, forward_seconds=self.runner.forward_seconds)
+        group = self.loaded.group
+        stats = dataclasses.replace(
+            self.stats,
+            forward_seconds=self.runner.forward_seconds,
+            communication_seconds=0.0 if group is None else group.comm_seconds,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+        )
         if reset:
             self.stats = EngineStats()
             self.runner.forward_seconds = 0.0
+            if group is not None:
+                group.comm_seconds = 0.0
         return stats
+
+    def check_health(self) -> None:
+        """Raises RankLostError once a tensor-parallel rank has died or hung (nothing to check otherwise)."""
+        if self.workers is not None:
+            self.workers.check()
+
+    @property
+    def health_check_seconds(self) -> float | None:
+        """How often an idle engine should check_health(); None: never needed (nothing runs beside it)."""
+        return None if self.workers is None else 1.0
+
+    def close(self) -> None:
+        """Ends the tensor-parallel ranks (nothing else holds resources beyond this object)."""
+        if self.workers is not None:
+            self.workers.stop()
+            self.workers = None
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -202,6 +255,8 @@ class LLMEngine:
         try:
             logits = self.runner.execute(out.scheduled, self.kv.take_pending_copies())
         except Exception as exc:  # a failed forward fails its requests, not the engine
+            if self.workers is not None:  # unless the ranks may be out of step: then nothing can run
+                raise self.workers.lost(exc) from exc
             self.constraints.discard(masks)
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
             ids = {s.request.parent_id for s in out.scheduled}

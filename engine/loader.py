@@ -9,7 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -122,8 +122,13 @@ def _save_dequantized(model, folder: Path) -> None:
     save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a (possibly sharded) safetensors checkpoint."""
+# (dim, start, stop) of the part of a tensor to read, or None for all of it
+SliceOf = Callable[[str], "tuple[int, int, int] | None"]
+
+
+def iter_safetensors(model_dir: Path, slice_of: SliceOf | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint; with `slice_of`, only the part of each that
+    it names is read from the file (a tensor-parallel rank's slices, never the whole model)."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -132,4 +137,10 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, handle.get_tensor(name)
+                part = None if slice_of is None else slice_of(name)
+                if part is None:
+                    yield name, handle.get_tensor(name)
+                    continue
+                dim, start, stop = part
+                index = (slice(None),) * dim + (slice(start, stop),)
+                yield name, handle.get_slice(name)[index]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.distributed.group import TensorParallelGroup
 from pagedserve.engine.gguf_weights import gguf_source, stored_blocks
 from pagedserve.engine.kv_sizing import model_len_limit
 from pagedserve.engine.loader import iter_safetensors, resolve_model_dir
@@ -36,6 +37,12 @@ class LoadedModel:
     backend: KernelBackend
     device: torch.device
     dtype: torch.dtype
+    group: TensorParallelGroup | None = None  # the ranks the model is split over; None: all of it is here
+
+    @property
+    def rank_spec(self) -> ModelSpec:
+        """This rank's part of the model (its heads and KV heads size its KV cache); `spec` when unsplit."""
+        return self.model.rank_spec
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,6 +76,9 @@ def _quantize_projections(
     on_load = config.quantization in FORMATS
     if config.quantization == "none" or (not on_load and (source is None or config.load_format != "auto")):
         return
+    if model.group is not None:  # EngineConfig refuses an explicit format; `auto` falls back to float
+        logger.info("%s: projections stay float (quantized blocks are not split across ranks)", model_dir)
+        return
     if device.type != "cpu" or dtype != torch.float32:
         logger.info("%s: projections stay float (quantized blocks run on the CPU in float32 only)", model_dir)
         return
@@ -98,22 +108,39 @@ def quantized_on_load(model: LlamaForCausalLM, qtype: str) -> dict[str, Quantize
     return weights
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    device = resolve_device(config.device)
+Weights = Iterator[tuple[str, torch.Tensor]]
+
+
+def _checking(weights: Weights, healthy: Callable[[], None]) -> Weights:
+    for item in weights:
+        healthy()
+        yield item
+
+
+def load_model(
+    config: EngineConfig, group: TensorParallelGroup | None = None, healthy: Callable[[], None] | None = None
+) -> LoadedModel:
+    """The model (this rank's part of it when split over `group`: only those slices are read). `healthy` runs
+    between tensors and raises to stop a load that can no longer be used (another rank died)."""
+    device = resolve_device(config.device) if group is None else group.device
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_model_dir(config.model, config.revision)
     hf_config = AutoConfig.from_pretrained(model_dir)
     spec = ModelSpec.from_hf_config(hf_config)
+    if group is not None:
+        spec.check_tensor_parallel(group.size)
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     backend = get_backend(config.attention_backend, device)
     backend.check_supported(dtype, spec.head_dim, config.block_size)
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(spec, hf_config, backend, max_positions=model_len_limit(spec))
+        model = LlamaForCausalLM(spec, hf_config, backend, max_positions=model_len_limit(spec), group=group)
     if config.load_format == "auto":
-        model.load_weights(iter_safetensors(model_dir))
+        weights = iter_safetensors(model_dir, None if group is None else model.checkpoint_slice)
+        model.load_weights(weights if healthy is None else _checking(weights, healthy))
     model.to(device=device, dtype=dtype).eval()
     _quantize_projections(config, model, model_dir, device, dtype)
-    logger.info("loaded %s (%s) on %s in %s", model_dir, spec.architecture, device, dtype)
+    split = "" if group is None else f" (rank {group.rank} of {group.size})"
+    logger.info("loaded %s (%s) on %s in %s%s", model_dir, spec.architecture, device, dtype, split)
     return LoadedModel(
         model_dir=model_dir,
         hf_config=hf_config,
@@ -124,4 +151,5 @@ def load_model(config: EngineConfig) -> LoadedModel:
         backend=backend,
         device=device,
         dtype=dtype,
+        group=group,
     )

@@ -1,4 +1,8 @@
-"""Packs one step's scheduled tokens into a flat batch, runs the model, returns the logits to sample."""
+"""Packs one step's scheduled tokens into a flat batch, runs the model, returns the logits to sample.
+
+`ShardRunner` runs a packed batch on one rank's part of the model; `ModelRunner`, on rank 0 (or alone), packs
+the batch from the scheduler's output, and when the model is split over ranks first broadcasts it to them.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.engine.cuda_graphs import Capture, DecodeGraphs
+from pagedserve.engine.distributed.commands import Command, send_command
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.kv_sizing import kv_cache_shape
 from pagedserve.engine.models import KVCache, LlamaForCausalLM, ModelSpec
 from pagedserve.engine.outputs import TokenLogprob
-from pagedserve.engine.prompt_logprobs import PromptRows, rows_to_score, score
+from pagedserve.engine.prompt_logprobs import LM_HEAD_ROWS, PromptRows, rows_to_score, score
 from pagedserve.engine.scheduler import ScheduledRequest
 from pagedserve.kernels import AttentionMetadata, KernelBackend
 
@@ -33,10 +38,56 @@ class StepLogits:
     prompt_logprobs: dict[str, list[TokenLogprob]]  # new prompt logprobs by sequence id
 
 
+@dataclass
+class HostBatch:
+    """One step's packed inputs on the host, before they move to the device: what rank 0 broadcasts."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    logits_indices: torch.Tensor  # [R] int64
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+
+    def parts(self) -> list[torch.Tensor]:
+        return [
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.seq_lens,
+            self.query_start_loc,
+            self.block_tables.flatten(),
+            self.logits_indices,
+        ]
+
+    @classmethod
+    def from_parts(cls, parts: list[torch.Tensor]) -> HostBatch:
+        """The inverse of parts() (which arrive as int64)."""
+        input_ids, positions, slot_mapping, seq_lens, query_start_loc, block_tables, logits_indices = parts
+        num_seqs = len(seq_lens)
+        return cls(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            seq_lens=seq_lens.to(torch.int32),
+            query_start_loc=query_start_loc.to(torch.int32),
+            block_tables=block_tables.to(torch.int32).view(num_seqs, -1),
+            logits_indices=logits_indices,
+            query_lens_host=query_start_loc.diff().tolist(),
+            seq_lens_host=seq_lens.tolist(),
+        )
+
+
+NUM_BATCH_PARTS = 7  # HostBatch.parts(); a step command adds the prompt rows and the block copies
+
+
 def allocate_kv_caches(
     spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[KVCache]:
-    """Zeroed K and V caches of every layer, in the layout kv_sizing counts bytes for."""
+    """Zeroed K and V caches of every layer, in the layout kv_sizing counts bytes for (`spec`: a rank's)."""
     shape = kv_cache_shape(spec, num_blocks, block_size)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -44,19 +95,20 @@ def allocate_kv_caches(
     ]
 
 
-class ModelRunner:
+class ShardRunner:
+    """Runs packed batches on the model this process holds (all of it, or one rank's part)."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
         backend: KernelBackend,
-        kv_manager: KVCacheManager,
         kv_caches: list[KVCache],
+        block_size: int,
         device: torch.device,
     ) -> None:
         self.model = model
         self.backend = backend
-        self.kv = kv_manager
-        self.block_size = kv_manager.block_size
+        self.block_size = block_size
         self.device = device
         self.kv_caches = kv_caches
         model.bind_kv_caches(kv_caches)
@@ -70,7 +122,74 @@ class ModelRunner:
             self.model, self.backend, self.block_size, max_seq_len, batch_sizes, capture, self.device
         )
 
-    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+    def to_inputs(self, batch: HostBatch, prompt_rows: list[PromptRows] | None = None) -> StepInputs:
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.device, non_blocking=True)
+
+        metadata = AttentionMetadata(
+            block_tables=to_device(batch.block_tables),
+            seq_lens=to_device(batch.seq_lens),
+            query_start_loc=to_device(batch.query_start_loc),
+            slot_mapping=to_device(batch.slot_mapping),
+            block_size=self.block_size,
+            query_lens_host=batch.query_lens_host,
+            seq_lens_host=batch.seq_lens_host,
+        )
+        return StepInputs(
+            input_ids=to_device(batch.input_ids),
+            positions=to_device(batch.positions),
+            metadata=self.backend.prepare(metadata),
+            logits_indices=to_device(batch.logits_indices),
+            prompt_rows=prompt_rows or [],
+        )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write of blocks shared by parallel samples, in every layer's cache."""
+        source = torch.tensor([s for s, _ in copies], device=self.device)
+        destination = torch.tensor([d for _, d in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, destination, k_cache.index_select(0, source))
+            v_cache.index_copy_(0, destination, v_cache.index_select(0, source))
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
+            return self.decode_graphs.run(inputs)
+        return self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+
+    @torch.inference_mode()
+    def follow(self, parts: list[torch.Tensor]) -> None:
+        """Another rank's side of rank 0's `execute`: the same forward, and the same LM head passes (score's
+        chunks of prompt rows included), whose logits only rank 0 receives."""
+        batch = HostBatch.from_parts(parts[:NUM_BATCH_PARTS])
+        prompt_rows, copies = parts[NUM_BATCH_PARTS:]
+        if len(copies):
+            self.copy_blocks([(source, destination) for source, destination in copies.view(-1, 2).tolist()])
+        inputs = self.to_inputs(batch)
+        start = time.perf_counter()
+        hidden = self.forward(inputs)
+        self.model.compute_logits(hidden[inputs.logits_indices])
+        for start in range(0, len(prompt_rows), LM_HEAD_ROWS):
+            self.model.compute_logits(hidden[prompt_rows[start : start + LM_HEAD_ROWS].to(self.device)])
+        self.forward_seconds += time.perf_counter() - start
+        self.num_tokens_processed += len(inputs.input_ids)
+
+
+class ModelRunner(ShardRunner):
+    """Rank 0's runner (or the only one): packs the scheduled requests, and runs them with every rank."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: KernelBackend,
+        kv_manager: KVCacheManager,
+        kv_caches: list[KVCache],
+        device: torch.device,
+    ) -> None:
+        super().__init__(model, backend, kv_caches, kv_manager.block_size, device)
+        self.kv = kv_manager
+        self.group = model.group
+
+    def pack(self, scheduled: list[ScheduledRequest]) -> HostBatch:
         """Flat inputs for all scheduled requests; vectorised over tokens, a loop only over requests."""
         requests = [s.request for s in scheduled]
         num_new = [s.num_new_tokens for s in scheduled]
@@ -85,29 +204,22 @@ class ModelRunner:
         positions = torch.arange(len(token_ids)) - (query_start_loc[:-1] - torch.tensor(computed))[seq_of_token]
         block_tables = self._block_tables([self.kv.block_ids(r.request_id) for r in requests])
         block_of_token = block_tables[seq_of_token, positions // self.block_size].long()
-        slot_mapping = block_of_token * self.block_size + positions % self.block_size
         seq_lens = [c + n for c, n in zip(computed, num_new)]
-        logits_indices = query_start_loc[1:][[s.samples for s in scheduled]] - 1
-
-        def to_device(t: torch.Tensor) -> torch.Tensor:
-            return t.to(self.device, non_blocking=True)
-
-        metadata = AttentionMetadata(
-            block_tables=to_device(block_tables),
-            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32)),
-            query_start_loc=to_device(query_start_loc),
-            slot_mapping=to_device(slot_mapping),
-            block_size=self.block_size,
+        return HostBatch(
+            input_ids=torch.tensor(token_ids),
+            positions=positions,
+            slot_mapping=block_of_token * self.block_size + positions % self.block_size,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=query_start_loc,
+            block_tables=block_tables,
+            logits_indices=(query_start_loc[1:][[s.samples for s in scheduled]] - 1).long(),
             query_lens_host=num_new,
             seq_lens_host=seq_lens,
         )
-        return StepInputs(
-            input_ids=to_device(torch.tensor(token_ids)),
-            positions=to_device(positions),
-            metadata=self.backend.prepare(metadata),
-            logits_indices=to_device(logits_indices.long()),
-            prompt_rows=rows_to_score(scheduled, query_start_loc),
-        )
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        batch = self.pack(scheduled)
+        return self.to_inputs(batch, rows_to_score(scheduled, batch.query_start_loc))
 
     @staticmethod
     def _block_tables(tables: list[list[int]]) -> torch.Tensor:
@@ -119,27 +231,27 @@ class ModelRunner:
         out[rows, cols] = torch.tensor(list(itertools.chain.from_iterable(tables)), dtype=torch.int32)
         return out
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write of blocks shared by parallel samples, in every layer's cache."""
-        source = torch.tensor([s for s, _ in copies], device=self.device)
-        destination = torch.tensor([d for _, d in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache.index_copy_(0, destination, k_cache.index_select(0, source))
-            v_cache.index_copy_(0, destination, v_cache.index_select(0, source))
-
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]] | None = None) -> StepLogits:
         """Logits for the scheduled requests that sample this step, and the prompt logprobs asked for."""
+        batch = self.pack(scheduled)
+        prompt_rows = rows_to_score(scheduled, batch.query_start_loc)
+        if self.group is not None:
+            send_command(self.group, Command.STEP, _step_parts(batch, prompt_rows, copies or []))
         if copies:
             self.copy_blocks(copies)
-        inputs = self.prepare(scheduled)
+        inputs = self.to_inputs(batch, prompt_rows)
         start = time.perf_counter()
-        if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
-            hidden = self.decode_graphs.run(inputs)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        hidden = self.forward(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         prompt = score(self.model.compute_logits, hidden, inputs.prompt_rows) if inputs.prompt_rows else {}
         self.forward_seconds += time.perf_counter() - start
         self.num_tokens_processed += len(inputs.input_ids)
         return StepLogits(logits, prompt)
+
+
+def _step_parts(batch: HostBatch, prompt_rows: list[PromptRows], copies: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """What the other ranks need of a step: the batch, the rows score() passes through the LM head (in its
+    order), and the blocks to copy first."""
+    rows = torch.cat([p.rows for p in prompt_rows]) if prompt_rows else torch.empty(0, dtype=torch.int64)
+    return [*batch.parts(), rows, torch.tensor(copies, dtype=torch.int64).flatten()]

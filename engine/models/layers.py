@@ -8,8 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.engine.distributed.group import TensorParallelGroup
 from pagedserve.kernels import KernelBackend, RotaryAngles
 from pagedserve.kernels.quantized import QuantizedWeight
 
@@ -33,6 +35,51 @@ class Linear(nn.Linear):
             raise ValueError(f"a {weight.shape} weight cannot replace a {tuple(self.weight.shape)} one")
         self.quantized = weight
         self.weight = nn.Parameter(torch.empty(0, self.in_features), requires_grad=False)
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input features are split across the ranks (Megatron's row-parallel layer): each rank
+    multiplies its slice, one all-reduce adds the partial sums. Column-parallel layers need no class of their
+    own: a rank's Linear just holds fewer output rows."""
+
+    def __init__(self, in_features: int, out_features: int, backend: KernelBackend, group: TensorParallelGroup) -> None:
+        super().__init__(in_features, out_features, bias=False, backend=backend)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
+
+
+def projection(
+    in_features: int, out_features: int, backend: KernelBackend, group: TensorParallelGroup | None
+) -> Linear:
+    """A bias-free projection back into the hidden size: row-parallel when the model is split."""
+    if group is None:
+        return Linear(in_features, out_features, bias=False, backend=backend)
+    return RowParallelLinear(in_features, out_features, backend, group)
+
+
+def vocab_rows_per_rank(vocab_size: int, size: int) -> int:
+    """Rows of the embedding (and LM head) each rank holds: the vocabulary padded to a multiple of `size`."""
+    return -(-vocab_size // size)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding's rows split across the ranks: each looks up the ids in its range, zeros the rest, and an
+    all-reduce assembles the rows (exactly: every sum has one non-zero term)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.num_rows = vocab_rows_per_rank(vocab_size, group.size)
+        self.first_row = group.rank * self.num_rows
+        self.weight = nn.Parameter(torch.zeros(self.num_rows, hidden_size), requires_grad=False)
+        self.group = group
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        local = token_ids - self.first_row
+        elsewhere = (local < 0) | (local >= self.num_rows)
+        rows = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return self.group.all_reduce(rows.masked_fill_(elsewhere.unsqueeze(-1), 0.0))
 
 
 class RMSNorm(nn.Module):
@@ -88,10 +135,17 @@ def _inverse_frequencies(head_dim: int, rope_parameters: dict[str, Any], hf_conf
 class GatedMLP(nn.Module):
     """SwiGLU with gate and up projections fused into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, backend: KernelBackend) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        backend: KernelBackend,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
+        """`intermediate_size`: this rank's share of the MLP width when the model is split over `group`."""
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, backend=backend)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, backend=backend)
+        self.down_proj = projection(intermediate_size, hidden_size, backend, group)
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

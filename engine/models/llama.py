@@ -11,25 +11,38 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from pagedserve.engine.distributed.group import TensorParallelGroup
+from pagedserve.engine.models.layers import (
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+    projection,
+    vocab_rows_per_rank,
+)
 from pagedserve.engine.models.spec import ModelSpec
 from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
 from pagedserve.kernels.quantized import QuantizedWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+CheckpointSlice = tuple[int, int, int]  # (dim, start, stop) of a checkpoint tensor that one rank reads
+VOCAB_PARAMETERS = ("embed_tokens.weight", "lm_head.weight")
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: KernelBackend) -> None:
+    def __init__(self, spec: ModelSpec, backend: KernelBackend, group: TensorParallelGroup | None) -> None:
+        """`spec`: this rank's part of the model (ModelSpec.for_rank) when it is split over `group`."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
         self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, backend=backend)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=False, backend=backend)
+        self.o_proj = projection(self.q_size, spec.hidden_size, backend, group)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
         self.backend = backend
@@ -51,12 +64,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: KernelBackend) -> None:
+    def __init__(self, spec: ModelSpec, backend: KernelBackend, group: TensorParallelGroup | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
-        self.self_attn = LlamaAttention(spec, backend)
+        self.self_attn = LlamaAttention(spec, backend, group)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, backend)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, backend, group)
 
     def forward(
         self, angles: RotaryAngles, hidden: torch.Tensor, residual: torch.Tensor | None, metadata: AttentionMetadata
@@ -73,16 +86,32 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, hf_config: Any, backend: KernelBackend, max_positions: int) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        hf_config: Any,
+        backend: KernelBackend,
+        max_positions: int,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
+        """`group`: the ranks the model is split over (Megatron-style), None for the whole model here. Split,
+        a rank holds its query and KV heads, its share of the MLP width and of the vocabulary."""
         super().__init__()
         self.spec = spec
+        self.group = group
+        self.rank_spec = spec.for_rank(1 if group is None else group.size)
         self.backend = backend
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_parameters, hf_config)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, backend) for _ in range(spec.num_layers))
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+            nn.Embedding(spec.vocab_size, spec.hidden_size)
+            if group is None
+            else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, group)
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(self.rank_spec, backend, group) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        head_rows = spec.vocab_size if group is None else vocab_rows_per_rank(spec.vocab_size, group.size)
         self.lm_head = (
-            None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False, backend=backend)
+            None if spec.tie_word_embeddings else Linear(spec.hidden_size, head_rows, bias=False, backend=backend)
         )
         self.quantized_head: QuantizedWeight | None = None  # a tied head's blocks (the embedding stays float)
 
@@ -102,6 +131,14 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_and_forward(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [R, vocab] of hidden [R, hidden]. Split over ranks, every rank computes its vocabulary slice
+        and rank 0 gathers them: only its result is the logits (the other ranks get their own slice back)."""
+        logits = self._local_logits(hidden)
+        if self.group is None:
+            return logits
+        return self.group.gather_columns(logits)[:, : self.spec.vocab_size]
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The sampler reduces over the vocabulary: keep the logits dense, whatever layout linear returns.
         if self.lm_head is not None:
             return self.lm_head(hidden).contiguous()
@@ -126,17 +163,20 @@ class LlamaForCausalLM(nn.Module):
             module.use_quantized(weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads transformers-named tensors, fusing q/k/v and gate/up as they arrive."""
+        """Loads transformers-named tensors, fusing q/k/v and gate/up as they arrive. Split over ranks, each
+        tensor is this rank's slice of the checkpoint's (checkpoint_slice)."""
         params = dict(self.named_parameters())
         rows_loaded = dict.fromkeys(params, 0)
         for hf_name, tensor in weights:
-            target = _map_weight_name(hf_name, self.spec)
+            target = _map_weight_name(hf_name, self.rank_spec)
             if target is None:
                 continue
             name, rows = target
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.spec.architecture}")
             destination = params[name].data if rows is None else params[name].data[rows[0] : rows[1]]
+            if name in VOCAB_PARAMETERS and len(tensor) < len(destination):  # the last rank's padding rows
+                tensor = F.pad(tensor, (0, 0, 0, len(destination) - len(tensor)))
             if destination.shape != tensor.shape:
                 raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(destination.shape)}")
             destination.copy_(tensor)
@@ -144,6 +184,37 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(name for name, p in params.items() if rows_loaded[name] != p.shape[0])
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def checkpoint_slice(self, hf_name: str) -> CheckpointSlice | None:
+        """The part of a checkpoint tensor this rank holds, or None for all of it (always, unsplit)."""
+        if self.group is None:
+            return None
+        return _rank_slice(hf_name, self.spec, self.group.rank, self.group.size)
+
+
+def _rank_slice(hf_name: str, spec: ModelSpec, rank: int, size: int) -> CheckpointSlice | None:
+    """Megatron's layout: q/k/v and gate/up split by output rows (column-parallel), o_proj and down_proj by
+    input columns (row-parallel), the embedding and an untied LM head by vocabulary rows; norms whole."""
+    name = hf_name.removeprefix("model.")
+    if name in VOCAB_PARAMETERS:
+        rows = vocab_rows_per_rank(spec.vocab_size, size)
+        first = min(rank * rows, spec.vocab_size)
+        return 0, first, min(first + rows, spec.vocab_size)
+    module = name.rpartition(".")[0].rpartition(".")[2]
+    ours = spec.for_rank(size)
+    heads, mlp = ours.num_heads * spec.head_dim, ours.intermediate_size
+    kv_first = spec.first_kv_head(rank, size) * spec.head_dim
+    kv = ours.num_kv_heads * spec.head_dim
+    by_module = {
+        "q_proj": (0, rank * heads, (rank + 1) * heads),
+        "k_proj": (0, kv_first, kv_first + kv),
+        "v_proj": (0, kv_first, kv_first + kv),
+        "o_proj": (1, rank * heads, (rank + 1) * heads),
+        "gate_proj": (0, rank * mlp, (rank + 1) * mlp),
+        "up_proj": (0, rank * mlp, (rank + 1) * mlp),
+        "down_proj": (1, rank * mlp, (rank + 1) * mlp),
+    }
+    return by_module.get(module)
 
 
 def _fused_rows(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, int]]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,51 @@ class ModelSpec:
             sliding_window=window,
             eos_token_ids=eos_ids,
         )
+
+    # ---- tensor parallelism (Megatron-style: heads and the MLP width split across ranks) --------------
+
+    def tensor_parallel_problems(self, size: int) -> list[str]:
+        """Why the model cannot be split over `size` ranks (empty when it can). KV heads may be fewer than the
+        ranks if the ranks are a multiple of them: each KV head is then replicated on size / num_kv_heads ranks."""
+        problems = []
+        if self.num_heads % size:
+            problems.append(f"num_attention_heads {self.num_heads}")
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            problems.append(f"num_key_value_heads {self.num_kv_heads}")
+        if self.intermediate_size % size:
+            problems.append(f"intermediate_size {self.intermediate_size}")
+        return problems
+
+    def tensor_parallel_sizes(self) -> list[int]:
+        """Every size the model can be split over."""
+        return [size for size in range(1, self.num_heads + 1) if not self.tensor_parallel_problems(size)]
+
+    def check_tensor_parallel(self, size: int) -> None:
+        problems = self.tensor_parallel_problems(size)
+        if problems:
+            raise ValueError(
+                f"{self.architecture} cannot be split over tensor_parallel_size {size}: {', '.join(problems)} "
+                f"not divisible by it; sizes that work: {', '.join(map(str, self.tensor_parallel_sizes()))}"
+            )
+
+    def for_rank(self, size: int) -> ModelSpec:
+        """The part of the model one of `size` ranks holds: its query heads, KV heads (at least one) and MLP
+        width. The vocabulary is split separately (padded to a multiple of `size`)."""
+        if size == 1:
+            return self
+        self.check_tensor_parallel(size)
+        return dataclasses.replace(
+            self,
+            num_heads=self.num_heads // size,
+            num_kv_heads=max(1, self.num_kv_heads // size),
+            intermediate_size=self.intermediate_size // size,
+        )
+
+    def first_kv_head(self, rank: int, size: int) -> int:
+        """The first KV head rank `rank` of `size` holds (KV heads replicated: the one its query heads read)."""
+        if self.num_kv_heads >= size:
+            return rank * (self.num_kv_heads // size)
+        return rank // (size // self.num_kv_heads)
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:
