@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.engine.models.cpu_decoder import CpuDecoder, native_decoder
 from pagedserve.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from pagedserve.engine.models.spec import ModelSpec
 from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
@@ -85,16 +86,23 @@ class LlamaForCausalLM(nn.Module):
             None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False, backend=backend)
         )
         self.quantized_head: QuantizedWeight | None = None  # a tied head's blocks (the embedding stays float)
+        self.native_decoder: CpuDecoder | None = None  # the layers as one native call, where it applies
 
     def bind_kv_caches(self, caches: list[KVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.kv_cache = cache
+        self.native_decoder = native_decoder(self, caches)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of the flat batch input_ids [T] at positions [T]."""
-        hidden = self.backend.in_linear_output_layout(self.embed_tokens(input_ids))
+        embeddings = self.embed_tokens(input_ids)
         angles = self.rotary.angles(positions)
+        if self.native_decoder is not None:
+            hidden = self.native_decoder.forward(embeddings, angles, metadata)
+            if hidden is not None:
+                return hidden
+        hidden = self.backend.in_linear_output_layout(embeddings)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(angles, hidden, residual, metadata)
