@@ -381,6 +381,13 @@ def quantized_linear(
     return tiled_linear(x, weight, bias, out)
 
 
+def lookup_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of the weight as float32 [T, in]: an embedding lookup in a table kept as blocks, equal to
+    indexing the dequantized table."""
+    rows = weight.blocks.index_select(0, ids.to("cpu", torch.long))
+    return (dequantize_kernel() or _dequantize_rows)(rows, weight.qtype)
+
+
 def tiled_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor
 ) -> torch.Tensor:

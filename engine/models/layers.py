@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import KernelBackend, RotaryAngles
-from pagedserve.kernels.quantized import QuantizedWeight
+from pagedserve.kernels.quantized import QuantizedWeight, lookup_rows
 
 
 class Linear(nn.Linear):
@@ -33,6 +33,18 @@ class Linear(nn.Linear):
             raise ValueError(f"a {weight.shape} weight cannot replace a {tuple(self.weight.shape)} one")
         self.quantized = weight
         self.weight = nn.Parameter(torch.empty(0, self.in_features), requires_grad=False)
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding looked up in a table of blocks: GGUF files store it quantized, and a tied LM head
+    multiplies by the same blocks, so no float copy of the table (113 MiB for SmolLM2) need exist."""
+
+    def __init__(self, table: QuantizedWeight) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return lookup_rows(self.table, input_ids)
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.models.cpu_decoder import CpuDecoder, native_decoder
-from pagedserve.engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from pagedserve.engine.models.layers import GatedMLP, Linear, QuantizedEmbedding, RMSNorm, RotaryEmbedding
 from pagedserve.engine.models.spec import ModelSpec
 from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
 from pagedserve.kernels.quantized import QuantizedWeight
@@ -79,7 +79,7 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.backend = backend
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_parameters, hf_config)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens: nn.Embedding | QuantizedEmbedding = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, backend) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.lm_head = (
@@ -115,6 +115,7 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).contiguous()
         if self.quantized_head is not None:
             return self.backend.quantized_linear(hidden, self.quantized_head).contiguous()
+        assert isinstance(self.embed_tokens, nn.Embedding)  # a float tied head: the embedding is float too
         return self.backend.linear(hidden, self.embed_tokens.weight).contiguous()
 
     def use_quantized(self, weights: dict[str, QuantizedWeight]) -> None:
@@ -132,6 +133,13 @@ class LlamaForCausalLM(nn.Module):
             if not isinstance(module, Linear):
                 raise ValueError(f"{name!r} is not a projection of this model")
             module.use_quantized(weight)
+
+    def embed_from_quantized_head(self) -> None:
+        """Looks tokens up in the tied head's blocks from now on and drops the float embedding. Only where the
+        embedding is those blocks dequantized (a GGUF file's token_embd), not for a head quantized at load."""
+        if self.lm_head is not None or self.quantized_head is None:
+            raise ValueError("only a tied LM head kept as blocks can serve as the embedding")
+        self.embed_tokens = QuantizedEmbedding(self.quantized_head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads transformers-named tensors, fusing q/k/v and gate/up as they arrive."""
