@@ -22,7 +22,7 @@ from pagedserve.engine.models import LlamaForCausalLM, ModelSpec
 from pagedserve.engine.models.layers import Linear
 from pagedserve.engine.tokenizer import eos_token_ids, load_tokenizer
 from pagedserve.kernels import KernelBackend, get_backend
-from pagedserve.kernels.quantized import BLOCK, FORMATS, QuantizedWeight, quantize
+from pagedserve.kernels.quantized import FORMATS, QuantizedWeight, block_format, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -105,17 +105,17 @@ def release_freed_memory() -> None:
 
 def quantized_on_load(model: LlamaForCausalLM, qtype: str) -> dict[str, QuantizedWeight]:
     """Every projection (and the LM head) quantized to `qtype`, rounding as ggml does; projections whose input
-    size is not a multiple of the 32-weight block stay float."""
+    size is not a multiple of the format's block (32 weights, 256 for the K-quants) stay float."""
     named: dict[str, torch.Tensor] = {
         name: module.weight.data for name, module in model.named_modules() if isinstance(module, Linear)
     }
     if model.lm_head is None and isinstance(model.embed_tokens, torch.nn.Embedding):
         named["lm_head"] = model.embed_tokens.weight.data
-    weights = {name: quantize(weight, qtype) for name, weight in named.items() if weight.shape[1] % BLOCK == 0}
+    block = block_format(qtype).block_weights
+    weights = {name: quantize(weight, qtype) for name, weight in named.items() if weight.shape[1] % block == 0}
     if len(weights) < len(named):
-        logger.info(
-            "%d projections stay float: their input size is not a multiple of %d", len(named) - len(weights), BLOCK
-        )
+        kept = len(named) - len(weights)
+        logger.info("%d projections stay float: their input size is not a multiple of %s's %d", kept, qtype, block)
     return weights
 
 

@@ -9,10 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.sampling_params import SamplingParams
+from tests.conftest import TINY_COMMON
 
 PROMPTS = [list(range(100, 108)), list(range(300, 340)), list(range(1000, 1003))]
 _ids = itertools.count()
@@ -78,3 +81,23 @@ def test_native_forward_stands_aside_where_it_does_not_apply(
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(family)), quantization=quantization))
     assert engine.runner.model.native_decoder is None
     assert len(generate(engine, PROMPTS[:1])[0][0]) == 12
+
+
+@pytest.fixture(scope="module")
+def k_quant_sized_llama(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path:
+    """A tiny random Llama whose projections' inputs are multiples of the K-quants' 256-weight blocks."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY_COMMON, "hidden_size": 256, "intermediate_size": 512})
+    folder = tmp_path_factory.mktemp("tiny-llama-256")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(smol_dir).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
+def test_native_forward_takes_k_quants(k_quant_sized_llama: Path, qtype: str) -> None:
+    engine = LLMEngine(EngineConfig(model=str(k_quant_sized_llama), quantization=qtype))
+    native, modules = both_ways(engine, PROMPTS)
+    for i in native:
+        assert native[i][0] == modules[i][0]
+        assert native[i][1] == pytest.approx(modules[i][1], abs=1e-4)

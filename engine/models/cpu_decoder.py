@@ -3,8 +3,8 @@
 Calling a layer's dozen kernels one by one from Python costs about as much as their arithmetic when the
 projections are ggml blocks and the batch is a few tokens (one stream's decode step: ~0.45 ms of Python per
 layer against ~0.35 ms of kernels). The native forward runs the same kernels in the same order. It applies
-where every op it composes applies: float32 on the CPU with the native library, every projection in a block
-format the linear kernel reads, no q/k norms, and a step whose every query row the native attention kernel
+where every op it composes applies: float32 on the CPU with the native library, every projection kept in a block
+format, no q/k norms, and a step whose every query row the native attention kernel
 takes, of at most MAX_TOKENS tokens (past that, prefill's tiled float matmuls are faster). Elsewhere the
 model's modules run as before.
 """
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from pagedserve.engine.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 
 _pointer, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-# The ggml types the linear kernel (csrc/quantized_linear.c) reads.
-BLOCK_TYPES = frozenset(FORMATS[name].ggml_type for name in ("q8_0", "q4_0", "q4_1"))
 
 
 class _BlockWeight(ctypes.Structure):
@@ -170,7 +168,7 @@ def _layer_applies(layer: torch.nn.Module) -> bool:
     if attention.q_norm is not None:
         return False
     projections = (attention.qkv_proj, attention.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    if any(p.quantized is None or FORMATS[p.quantized.qtype].ggml_type not in BLOCK_TYPES for p in projections):
+    if any(p.quantized is None for p in projections):  # every block format has a native kernel
         return False
     return all(p.bias is None for p in projections[1:])
 

@@ -21,7 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The library's kernels (layer_ops.c, quantized_linear.c, write_kv.c, paged_decode_attention.c). */
+/* The library's kernels (layer_ops.c, quantized_linear.c, kquant_linear.c, write_kv.c,
+ * paged_decode_attention.c). */
 void add_rms_norm_f32(float *out, float *hidden, const float *delta, const float *weight, int64_t tokens,
                       int64_t features, int64_t token_stride, int64_t feature_stride, float eps, int num_threads);
 void rotary_f32(float *x, const float *cos, const float *sin, int64_t tokens, int64_t heads, int64_t head_dim,
@@ -31,6 +32,8 @@ void silu_and_mul_f32(float *out, const float *gate, const float *up, int64_t ro
 int quantized_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx,
                          const uint8_t *w, const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type,
                          int num_threads);
+int kquant_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx, const uint8_t *w,
+                      const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type, int num_threads);
 int write_kv_f32(float *k_cache, float *v_cache, const float *key, const float *value, const int64_t *slots,
                  int64_t tokens, int64_t features, int64_t token_stride, int64_t feature_stride, int64_t num_slots);
 int paged_decode_attention_f32(float *out, const float *query, const float *k_cache, const float *v_cache,
@@ -101,10 +104,13 @@ static float *scratch_alloc(scratch *s, const decoder_model *m, int64_t tokens) 
     return memory;
 }
 
-/* y [tokens, out] = x [tokens, in] @ W^T (+ bias), token-major. */
+/* y [tokens, out] = x [tokens, in] @ W^T (+ bias), token-major, by the kernel that reads W's type: each returns
+ * -1, having done nothing, for a type it does not read. */
 static int project(float *y, const float *x, block_weight w, const float *bias, int64_t tokens, int64_t out,
                    int64_t in, int threads) {
-    return quantized_linear_f32(y, out, 1, x, in, w.blocks, bias, tokens, out, in, w.type, threads);
+    const int status = quantized_linear_f32(y, out, 1, x, in, w.blocks, bias, tokens, out, in, w.type, threads);
+    if (status != -1) return status;
+    return kquant_linear_f32(y, out, 1, x, in, w.blocks, bias, tokens, out, in, w.type, threads);
 }
 
 /* Attention of the layer: rotary on q and k in place, k and v into the cache, q over the cache. */
@@ -150,8 +156,8 @@ static int layer_forward(const decoder_model *m, const decoder_layer *layer, con
 
 /*
  * out [tokens, hidden] = the final norm of the residual stream after every layer. `residual` [tokens, hidden]
- * holds the token embeddings on entry and is overwritten. Returns 0; -1 for a block type the linear kernel
- * does not read, -2 if memory ran out, -3 if a slot is past the cache (out is then not to be used).
+ * holds the token embeddings on entry and is overwritten. Returns 0; -1 for a block type no linear kernel
+ * reads, -2 if memory ran out, -3 if a slot is past the cache (out is then not to be used).
  */
 int decoder_forward_f32(float *out, float *residual, const decoder_model *model, const decoder_step *step,
                         int num_threads) {
