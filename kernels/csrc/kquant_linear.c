@@ -48,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half_float.h"
 #include "parallel.h"
 #include "vector_math.h"
 
@@ -83,26 +84,6 @@ static inline vec bytes_of_words(uint32_t low, uint32_t high) {
  * is signed or comes straight from memory: see quantized_linear.c). */
 static inline vec bytes_to_floats(bytes8 b, int32_t offset) {
     return __builtin_convertvector(__builtin_convertvector(b, ints) - offset, vec);
-}
-
-/* An fp16 scale, stored little-endian (as GGUF is, and every host this runs on). */
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t bits;
-    memcpy(&bits, p, sizeof bits); /* Q6_K's d sits at byte 208 of a 210-byte block: not 2-byte aligned */
-#if defined(__FLT16_MAX__)
-    __extension__ _Float16 half; /* one instruction with F16C (x86) or on ARMv8 */
-    memcpy(&half, &bits, sizeof half);
-    return (float)half;
-#else
-    const uint32_t sign = (uint32_t)(bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1Fu, mantissa = bits & 0x3FFu;
-    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float */
-        const float magnitude = (float)mantissa * 0x1p-24f;
-        return sign ? -magnitude : magnitude;
-    }
-    const uint32_t exponent32 = exponent == 0x1Fu ? 0xFFu : exponent + 112u; /* rebias; inf and NaN stay so */
-    const union { uint32_t bits; float value; } result = {.bits = sign | exponent32 << 23 | mantissa << 13};
-    return result.value;
-#endif
 }
 
 /*

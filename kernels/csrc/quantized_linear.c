@@ -34,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half_float.h"
 #include "parallel.h"
 #include "skinny_linear.h"
 #include "vector_math.h"
@@ -64,28 +65,6 @@ static inline vec to_floats(bytes8 b, int32_t offset) {
 
 /* The high nibbles of eight bytes, shifted as 16-bit lanes: x86 has no shift of byte lanes. */
 static inline bytes8 high_nibbles(bytes8 b) { return (bytes8)((halfwords4)b >> 4) & 0x0F; }
-
-/* An fp16 scale, stored little-endian (as GGUF is, and every host this runs on). */
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t bits;
-    memcpy(&bits, p, sizeof bits); /* blocks are 18, 20 or 34 bytes: scales are not 2-byte aligned */
-#if defined(__FLT16_MAX__)
-    /* The compiler has _Float16: one instruction with F16C (x86) or on ARMv8. */
-    __extension__ _Float16 half; /* C23's type, an extension of C11 */
-    memcpy(&half, &bits, sizeof half);
-    return (float)half;
-#else
-    const uint32_t sign = (uint32_t)(bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1Fu, mantissa = bits & 0x3FFu;
-    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float */
-        const float magnitude = (float)mantissa * 0x1p-24f;
-        return sign ? -magnitude : magnitude;
-    }
-    /* Rebias the exponent (15 -> 127); infinities and NaNs keep an all-ones exponent. */
-    const uint32_t exponent32 = exponent == 0x1Fu ? 0xFFu : exponent + 112u;
-    const union { uint32_t bits; float value; } result = {.bits = sign | exponent32 << 23 | mantissa << 13};
-    return result.value;
-#endif
-}
 
 /*
  * A block's 32 weights as d * q + m, q an integer: its scale d, offset m (Q4_1 only; 0 otherwise) and the q
