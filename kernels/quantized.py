@@ -48,10 +48,11 @@ __all__ = [
     "tiled_linear",
 ]
 
-# Token counts the kernel takes; past them dequantizing tiles into a float32 matmul is faster. Measured with
+# Token counts the kernels take (from 16 tokens quantized_linear.c dequantizes rows into a float32 tile of its
+# own); past them dequantizing ROW_TILE rows into torch's matmul is faster. Measured with
 # benchmarks/quantized_linear.py (its last table; Q4_1 gate/up and down shapes, 2 cores, AVX2): the kernel
-# 1.9-2.2x as fast at 16 tokens, 1.3-1.4x at 32, 1.0-1.2x at 48, 0.9-1.1x at 64, 0.6-0.85x at 96-128.
-MAX_TOKENS = 48
+# 1.5-2.9x as fast at 16-48 tokens, 1.45-1.5x at 64, 0.9-1.2x at 96, 0.8-1.2x at 128.
+MAX_TOKENS = 64
 ROW_TILE = 256  # rows dequantized at a time past MAX_TOKENS: a 256 x 1536 float32 tile is 1.5 MiB
 
 
