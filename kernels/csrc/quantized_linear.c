@@ -25,8 +25,9 @@
  * which by then is in L1. A single token, which shares a dequantized block with nothing, takes the product
  * regrouped instead (row_single). Rows are split across threads.
  *
- * dequantize_f32 writes W out in float32, a few rows at a time, for prefill: there the product is bound by
- * arithmetic, and a float32 matmul beats this kernel.
+ * From TILE_TOKENS tokens the product goes by float32 tiles instead (dequantized_tiles.c): each weight is
+ * dequantized once and serves every token from L1. dequantize_f32 writes W out in float32, a few rows at a time,
+ * for prefill: there torch's float32 matmul beats both.
  *
  * Built at first use with the system C compiler (kernels/cpu_native.py), for the host CPU.
  */
@@ -36,7 +37,7 @@
 
 #include "half_float.h"
 #include "parallel.h"
-#include "skinny_linear.h"
+#include "dequantized_tiles.h"
 #include "vector_math.h"
 
 enum { QK = 32, TOKENS = 8 };
@@ -242,43 +243,10 @@ static int64_t grain_rows(int64_t K, int64_t passes) {
     return work >= GRAIN_BLOCKS ? 1 : GRAIN_BLOCKS / work;
 }
 
-/*
- * From TILE_TOKENS tokens a call dequantizes SKINNY_ROWS rows at a time into a float32 scratch tile and
- * multiplies it with skinny_linear.c's register tile, which broadcasts each weight to two vectors of tokens:
- * the dequantization is paid once per weight whatever the tokens, and the products run at the float kernel's
- * rate. Below it, dequantizing in registers for each pass of TOKENS tokens costs less than the scratch round
- * trip. Measured (benchmarks/quantized_linear.py, Q4_1, SmolLM2's projections, 2 cores, AVX2): the tiles are
- * 0.7-0.75x as fast at 8 tokens, 1.2-1.5x at 16, 1.5-2.3x at 32.
- */
-enum { TILE_TOKENS = 16 };
-
-typedef struct {
-    float *out;
-    int64_t ldo;
-    const float *xt, *tail_x;
-    const uint8_t *w;
-    const float *bias;
-    int64_t M, N, K;
-    enum format format;
-    int failed; /* a thread could not get its scratch tile */
-} tiles_job;
-
-/* This thread's scratch of at least `floats`, kept between calls (the pool's threads live as long as the
- * process); NULL if memory ran out. */
-static float *thread_scratch(int64_t floats) {
-    static _Thread_local float *scratch = NULL;
-    static _Thread_local int64_t capacity = 0;
-    if (floats > capacity) {
-        float *grown = realloc(scratch, sizeof(float) * (size_t)floats);
-        if (grown == NULL) return NULL;
-        scratch = grown;
-        capacity = floats;
-    }
-    return scratch;
-}
-
-static void dequantize_row(float *out, const uint8_t *row, int64_t blocks, const enum format format) {
-    for (int64_t b = 0; b < blocks; ++b) {
+/* One row of K weights as float32, for dequantized_tiles.c. */
+static void dequantize_row(float *out, const uint8_t *row, int64_t K, int ggml_type) {
+    const enum format format = format_of(ggml_type);
+    for (int64_t b = 0; b < K / QK; ++b) {
         vec w[4];
         switch (format) { /* constant in each case: the dequantization inlines for that format */
         case Q8_0: dequantize_block(row + b * BLOCK_BYTES[Q8_0], Q8_0, w); break;
@@ -287,52 +255,6 @@ static void dequantize_row(float *out, const uint8_t *row, int64_t blocks, const
         }
         for (int i = 0; i < 4; ++i) store(out + b * QK + i * LANES, w[i]);
     }
-}
-
-/* Row tiles [begin, end) of SKINNY_ROWS rows: dequantized into a scratch tile, then multiplied in float32. */
-static void dequantized_tiles(void *context, int64_t begin, int64_t end) {
-    tiles_job *job = context;
-    const int64_t blocks = job->K / QK, row_bytes = blocks * BLOCK_BYTES[job->format];
-    float *tile = thread_scratch(SKINNY_ROWS * job->K);
-    if (tile == NULL) {
-        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
-        return;
-    }
-    for (int64_t t = begin; t < end; ++t) {
-        const int64_t n = t * SKINNY_ROWS;
-        const int rows = job->N - n < SKINNY_ROWS ? (int)(job->N - n) : SKINNY_ROWS;
-        for (int r = 0; r < rows; ++r)
-            dequantize_row(tile + r * job->K, job->w + (n + r) * row_bytes, blocks, job->format);
-        skinny_row_block_f32(job->out + n * job->ldo, job->ldo, job->xt, job->M, tile, job->K,
-                             job->bias ? job->bias + n : NULL, job->M, rows, job->tail_x);
-    }
-}
-
-/* quantized_linear_f32 by dequantized tiles; returns 0, or -2 if memory ran out. */
-static int linear_by_tiles(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx,
-                           const uint8_t *w, const float *bias, int64_t M, int64_t N, int64_t K, enum format format,
-                           int num_threads) {
-    float *xt = malloc(sizeof(float) * (size_t)(K * M)), *tail_x = NULL;
-    float *out = ldy_token == 1 ? y : malloc(sizeof(float) * (size_t)(N * M));
-    if (xt == NULL || out == NULL) goto fail;
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) xt[k * M + m] = x[m * ldx + k];
-    if (skinny_tail_f32(&tail_x, xt, M, M, K)) goto fail;
-    tiles_job job = {out, ldy_token == 1 ? ldy_row : M, xt, tail_x, w, bias, M, N, K, format, 0};
-    parallel_for((N + SKINNY_ROWS - 1) / SKINNY_ROWS, 2, num_threads, dequantized_tiles, &job);
-    if (job.failed) goto fail;
-    if (out != y)
-        for (int64_t n = 0; n < N; ++n)
-            for (int64_t m = 0; m < M; ++m) y[m * ldy_token + n * ldy_row] = out[n * M + m];
-    free(tail_x);
-    if (out != y) free(out);
-    free(xt);
-    return 0;
-fail:
-    free(tail_x);
-    if (out != y) free(out);
-    free(xt);
-    return -2;
 }
 
 /*
@@ -348,7 +270,8 @@ int quantized_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const flo
     if (format == FORMATS || K <= 0 || K % QK != 0) return -1;
     if (M <= 0) return 0;
     if (M >= TILE_TOKENS)
-        return linear_by_tiles(y, ldy_token, ldy_row, x, ldx, w, bias, M, N, K, format, num_threads);
+        return linear_by_tiles(y, ldy_token, ldy_row, x, ldx, w, bias, M, N, K, ggml_type,
+                               K / QK * BLOCK_BYTES[format], dequantize_row, num_threads);
     /* One token takes row_single, which reads the sums of x's blocks (Q4_1) or nothing (NULL is fine). */
     float *x_sums = NULL;
     if (M == 1 && format == Q4_1) {
