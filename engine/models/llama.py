@@ -85,7 +85,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False, backend=backend)
         )
-        self.quantized_head: QuantizedWeight | None = None  # a tied head's blocks (the embedding stays float)
+        self.quantized_head: QuantizedWeight | None = None  # a tied head's blocks (embed_from_quantized_head)
         self.native_decoder: CpuDecoder | None = None  # the layers as one native call, where it applies
 
     def bind_kv_caches(self, caches: list[KVCache]) -> None:
