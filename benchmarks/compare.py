@@ -8,11 +8,14 @@ Each server in turn is started on 127.0.0.1 (its log under OUT_DIR/logs), loaded
 SmolLM2-135M-Instruct, swept over the request rates with the `server.benchmark` load generator (streamed chat
 completions, greedy, ignore_eos: every request generates exactly its max_tokens), then stopped:
 
-  pagedserve    `pagedserve serve`, float32 on CPU, max_num_seqs = --parallel.
+  pagedserve    `pagedserve serve`, float32 activations on CPU, max_num_seqs = --parallel; its projections
+                multiply by the GGUF's blocks as stored (quantization `auto`).
+  pagedserve-float32
+                the same with `--quantization none`: every weight dequantized to float32.
   transformers  `transformers serve --continuous-batching`, float32 on CPU, on the same converted checkpoint;
                 its KV cache holds --parallel full-length sequences (it has no max-sequences flag).
   llama.cpp     `llama-server -np --parallel` (continuous batching) on the GGUF file itself. The file is Q4_1:
-                llama.cpp computes with the 4-bit weights, the other two with them dequantized to float32.
+                llama.cpp and pagedserve compute with the 4-bit weights, the others with them dequantized.
 
 All three see the same workload (seed, lengths, prompt bodies; only the 8-word prefix that defeats prefix
 caches across runs is new each run) and the same CPU threads (--threads). Each gets the environment a user
@@ -28,6 +31,9 @@ waiting queue (--max-queue-len = --parallel) and sent --overload-requests reques
 (--parallel running, --parallel waiting), it should answer 503 with Retry-After at once rather than let them
 wait into client timeouts. Reported: requests completed, shed with 503 (with Retry-After or not), timeouts and
 other failures, how soon the first 503 came and how long each took, and the served requests' throughput.
+
+Memory: once each server is ready, the resident memory (RSS) of its processes (the server and its children:
+pagedserve's engine core) is read from /proc and reported.
 
 Writes OUT_DIR/compare.json (every result, the server commands and their environments, the overload run),
 compare.md (the table, the figures and the overload run, also printed) and compare_throughput.png,
@@ -84,7 +90,7 @@ USER_ENV = dict(os.environ)
 from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf  # noqa: E402 (after USER_ENV)
 from pagedserve.server.benchmark import BenchmarkConfig, run_benchmark_async  # noqa: E402
 
-SERVERS = ("pagedserve", "transformers", "llama.cpp")
+SERVERS = ("pagedserve", "pagedserve-float32", "transformers", "llama.cpp")
 HOST = "127.0.0.1"
 READY_TIMEOUT_S = 600.0  # loading, plus materializing the checkpoint on a first run
 STOP_TIMEOUT_S = 20.0
@@ -131,6 +137,12 @@ class ManagedServer:
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s; its log ends:\n{self.log_tail()}")
 
+    def resident_mib(self) -> float:
+        """Resident memory of the server and its descendants, in MiB (0 if it has exited)."""
+        if self.process is None or self.process.poll() is not None:
+            return 0.0
+        return sum(resident_kib(pid) for pid in process_tree(self.process.pid)) / 1024
+
     def stop(self) -> None:
         """SIGTERM to the whole process group, SIGKILL if it lingers."""
         if self.process is None or self.process.poll() is not None:
@@ -173,6 +185,26 @@ class Model:
     checkpoint: Path  # the GGUF converted to a transformers checkpoint (safetensors + tokenizer)
 
 
+def process_tree(pid: int) -> list[int]:
+    """pid and its living descendants (Linux: each task's children lists)."""
+    tree, index = [pid], 0
+    while index < len(tree):
+        for task in Path(f"/proc/{tree[index]}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                tree += [int(child) for child in (task / "children").read_text().split()]
+        index += 1
+    return list(dict.fromkeys(tree))
+
+
+def resident_kib(pid: int) -> int:
+    """VmRSS of a process in KiB; 0 for one that is gone."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((HOST, 0))
@@ -211,8 +243,11 @@ def slot_context(args: argparse.Namespace) -> int:
     return math.ceil((longest + TEMPLATE_TOKENS) / 256) * 256  # llama.cpp pads a slot to 256 tokens anyway
 
 
-def pagedserve_spec(args: argparse.Namespace, model: Model, max_queue_len: int | None = None) -> ServerSpec:
-    """max_queue_len: by default deep enough that no request of the sweep is shed, even at rate inf."""
+def pagedserve_spec(
+    args: argparse.Namespace, model: Model, max_queue_len: int | None = None, float32: bool = False
+) -> ServerSpec:
+    """max_queue_len: by default deep enough that no request of the sweep is shed, even at rate inf.
+    float32: every weight dequantized (named pagedserve-float32), not the GGUF's blocks."""
     port = free_port()
     argv = [
         console_script("pagedserve") or "pagedserve",
@@ -226,9 +261,11 @@ def pagedserve_spec(args: argparse.Namespace, model: Model, max_queue_len: int |
         "--max-queue-len", str(max_queue_len or max(1024, args.num_prompts)),
         "--shutdown-timeout", "5",
         "--log-level", "warning",
+        "--quantization", "none" if float32 else "auto",
     ]  # fmt: skip
     env = server_env(args.threads, {"OMP_WAIT_POLICY": "PASSIVE"})  # what its engine package would set anyway
-    return ServerSpec("pagedserve", argv, "/ready", port, env=env, version=version("pagedserve"))
+    name = "pagedserve-float32" if float32 else "pagedserve"
+    return ServerSpec(name, argv, "/ready", port, env=env, version=version("pagedserve"))
 
 
 def transformers_checkpoint(model: Model, into: Path) -> Path:
@@ -332,6 +369,7 @@ def server_specs(args: argparse.Namespace, model: Model, workdir: Path) -> Itera
     for name in args.servers:
         spec = {
             "pagedserve": lambda: pagedserve_spec(args, model),
+            "pagedserve-float32": lambda: pagedserve_spec(args, model, float32=True),
             "transformers": lambda: transformers_spec(args, model, workdir),
             "llama.cpp": lambda: llama_spec(args, model),
         }[name]()
@@ -403,25 +441,32 @@ def run_rate(
 
 
 @contextlib.contextmanager
-def running(args: argparse.Namespace, spec: ServerSpec, title: str, log_name: str) -> Iterator[None]:
+def running(args: argparse.Namespace, spec: ServerSpec, title: str, log_name: str) -> Iterator[ManagedServer]:
     """Starts the server, says what runs and where it logs, and waits until it is ready (RuntimeError if never)."""
     log_path = args.out_dir / "logs" / f"{log_name}.log"
     print(f"\n== {title}: {' '.join(spec.argv)}", flush=True)
     print(f"   env: {env_text(env_record(spec.env))}\n   log: {log_path}", flush=True)
     with ManagedServer(spec.name, spec.argv, spec.base_url + spec.ready_path, log_path, spec.env) as server:
         print(f"   ready after {server.wait_ready():.1f} s", flush=True)
-        yield
+        yield server
 
 
-def sweep(args: argparse.Namespace, spec: ServerSpec, model: Model, record: Callable[[dict[str, Any]], None]) -> None:
-    """Starts the server, runs every rate against it, stops it; failures are recorded, not raised."""
+def sweep(
+    args: argparse.Namespace, spec: ServerSpec, model: Model, record: Callable[[dict[str, Any]], None]
+) -> float | None:
+    """Starts the server, runs every rate against it, stops it; failures are recorded, not raised. Returns the
+    server's resident memory once ready, in MiB (None if it never was)."""
     try:
-        with running(args, spec, f"{spec.name} {spec.version}", spec.name):
+        with running(args, spec, f"{spec.name} {spec.version}", spec.name) as server:
+            resident = server.resident_mib()
+            print(f"   resident memory once ready: {resident:.0f} MiB", flush=True)
             for rate in args.rates:
                 record(run_one_rate(args, spec, model, rate))
+            return resident
     except RuntimeError as exc:  # never ready
         print(f"   {exc}", flush=True)
         record({"server": spec.name, "rate": None, "error": str(exc)})
+        return None
 
 
 def run_one_rate(args: argparse.Namespace, spec: ServerSpec, model: Model, rate: float) -> dict[str, Any]:
@@ -540,7 +585,7 @@ def markdown(
         "",
         *markdown_table(COLUMNS, [table_row(run) for run in runs]),
     ]
-    figures = target_lines(runs, overload_run)
+    figures = target_lines(runs, overload_run) + memory_lines(servers)
     if figures:
         lines += ["", *figures]
     if overload_run is not None:
@@ -640,6 +685,19 @@ def pagedserve_lines(measured: list[dict[str, Any]], overload_run: dict[str, Any
         f"{overload_run['max_queue_len']}): {shed['rejected_503']} of {shed['requests']} shed with 503, "
         f"{shed['timeouts']} timeouts{others}"
     )
+    return lines
+
+
+def memory_lines(servers: list[dict[str, Any]]) -> list[str]:
+    """Each server's resident memory once ready, and pagedserve's against its float32 weights."""
+    resident = {server["name"]: server["resident_mib"] for server in servers if server.get("resident_mib")}
+    if not resident:
+        return []
+    each = ", ".join(f"{name} {mib:.0f} MiB" for name, mib in resident.items())
+    lines = [f"- resident memory once ready (the server and its child processes): {each}"]
+    if "pagedserve" in resident and "pagedserve-float32" in resident:
+        saved = resident["pagedserve-float32"] - resident["pagedserve"]
+        lines.append(f"- pagedserve's blocks against its float32 weights: {saved:.0f} MiB less (target >= 400 MiB)")
     return lines
 
 
@@ -808,10 +866,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="compare-") as workdir:
             for spec in server_specs(args, model, Path(workdir)):
-                servers.append(
-                    {"name": spec.name, "version": spec.version, "argv": spec.argv, "env": env_record(spec.env)}
-                )
-                sweep(args, spec, model, record)
+                entry = {"name": spec.name, "version": spec.version, "argv": spec.argv, "env": env_record(spec.env)}
+                servers.append(entry)
+                entry["resident_mib"] = sweep(args, spec, model, record)
                 if spec.name == "pagedserve" and args.overload_requests:
                     report["overload"] = overload(args, model)
                     write()

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 SOURCE_FILE = "pagedserve_source.json"  # written by materialize_gguf beside the dequantized weights
 BLOCKS_FILE = "pagedserve_blocks/blocks.safetensors"  # the fused blocks, saved at the first load (a folder of
 # its own: the weights loader reads every *.safetensors file at the top)
-BLOCKS_FORMAT = "2"  # bump when what is saved changes (2: K-quants)
+BLOCKS_FORMAT = "2"  # bump when what is saved changes (2: K-quants; a tied head from token_embd)
 PERMUTED_ARCHITECTURES = frozenset({"llama"})  # whose q/k rows llama.cpp's converter permutes
 TYPE_NAMES = {fmt.ggml_type: name for name, fmt in FORMATS.items()}
 Part = tuple[ReaderTensor, str]  # a GGUF tensor and its role ("attn_q", "ffn_down", "output")
@@ -120,7 +120,7 @@ def read_quantized_weights(gguf_file: Path, spec: ModelSpec) -> dict[str, Quanti
     permuted = _architecture(reader) in PERMUTED_ARCHITECTURES
     weights: dict[str, QuantizedWeight] = {}
     kept_float: dict[str, str] = {}  # module -> its parts' types
-    for module, parts in _projections(tensors, spec.num_layers):
+    for module, parts in _projections(tensors, spec):
         types = [tensor.tensor_type for tensor, _ in parts]
         if len(set(types)) == 1 and int(types[0]) in TYPE_NAMES:
             weights[module] = _stack([_rows(tensor, part, spec, permuted) for tensor, part in parts])
@@ -131,12 +131,13 @@ def read_quantized_weights(gguf_file: Path, spec: ModelSpec) -> dict[str, Quanti
     return weights
 
 
-def _projections(tensors: dict[str, ReaderTensor], num_layers: int) -> Iterator[tuple[str, list[Part]]]:
+def _projections(tensors: dict[str, ReaderTensor], spec: ModelSpec) -> Iterator[tuple[str, list[Part]]]:
     """Each of our projections with the GGUF tensors stacked into it, in order."""
-    for layer in range(num_layers):
+    for layer in range(spec.num_layers):
         for module, parts in FUSED.items():
             yield f"layers.{layer}.{module}", [(tensors[f"blk.{layer}.{part}.weight"], part) for part in parts]
-    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    # A tied model's head is its embedding (transformers loads token_embd into it), whatever else the file holds.
+    head = tensors.get("token_embd.weight") if spec.tie_word_embeddings else tensors.get("output.weight")
     if head is not None:
         yield "lm_head", [(head, "output")]
 

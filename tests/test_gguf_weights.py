@@ -13,7 +13,7 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.gguf_weights import BLOCKS_FILE, gguf_source, read_quantized_weights, stored_blocks
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.model_loader import LoadedModel, load_model
-from pagedserve.engine.models.layers import Linear
+from pagedserve.engine.models.layers import Linear, QuantizedEmbedding
 from pagedserve.kernels.quantized import dequantize, quantize
 from tests.test_engine import run
 
@@ -94,3 +94,18 @@ def test_quantization_on_load_multiplies_by_what_the_blocks_hold(
     head = float_model.embed_tokens.weight if float_model.lm_head is None else float_model.lm_head.weight
     expected = hidden @ dequantize(quantize(head.data, qtype)).T
     torch.testing.assert_close(quantized.model.compute_logits(hidden), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_tied_embedding_is_looked_up_in_the_head_blocks(smol_loaded: LoadedModel, float_loaded: LoadedModel) -> None:
+    """The embedded model ties its head: lookups read the Q8_0 blocks it multiplies by, and give exactly the
+    dequantized embedding, so no float copy of the table is kept."""
+    model = smol_loaded.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.embed_tokens.table is model.quantized_head
+    ids = torch.tensor([0, 1, 17, 4096, float_loaded.spec.vocab_size - 1, 17])
+    assert torch.equal(model.embed_tokens(ids), float_loaded.model.embed_tokens(ids))
+
+
+def test_a_head_quantized_at_load_leaves_the_embedding_float(tiny_model_dir: Callable[[str], Path]) -> None:
+    loaded = load_model(EngineConfig(model=str(tiny_model_dir("qwen2")), quantization="q4_0"))  # tied
+    assert loaded.model.quantized_head is not None
+    assert isinstance(loaded.model.embed_tokens, torch.nn.Embedding)  # quantizing it would change the model

@@ -13,7 +13,7 @@ from torch import nn
 
 from pagedserve.engine.distributed.group import TensorParallelGroup
 from pagedserve.kernels import KernelBackend, RotaryAngles
-from pagedserve.kernels.quantized import QuantizedWeight
+from pagedserve.kernels.quantized import QuantizedWeight, lookup_rows
 
 
 class Linear(nn.Linear):
@@ -80,6 +80,18 @@ class VocabParallelEmbedding(nn.Module):
         elsewhere = (local < 0) | (local >= self.num_rows)
         rows = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
         return self.group.all_reduce(rows.masked_fill_(elsewhere.unsqueeze(-1), 0.0))
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding looked up in a table of blocks: GGUF files store it quantized, and a tied LM head
+    multiplies by the same blocks, so no float copy of the table (113 MiB for SmolLM2) need exist."""
+
+    def __init__(self, table: QuantizedWeight) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return lookup_rows(self.table, input_ids)
 
 
 class RMSNorm(nn.Module):

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.distributed.group import TensorParallelGroup
+from pagedserve.engine.models.cpu_decoder import CpuDecoder, native_decoder
 from pagedserve.engine.models.layers import (
     GatedMLP,
     Linear,
+    QuantizedEmbedding,
     RMSNorm,
     RotaryEmbedding,
     VocabParallelEmbedding,
@@ -102,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.rank_spec = spec.for_rank(1 if group is None else group.size)
         self.backend = backend
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_parameters, hf_config)
-        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding | QuantizedEmbedding = (
             nn.Embedding(spec.vocab_size, spec.hidden_size)
             if group is None
             else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, group)
@@ -113,17 +115,24 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if spec.tie_word_embeddings else Linear(spec.hidden_size, head_rows, bias=False, backend=backend)
         )
-        self.quantized_head: QuantizedWeight | None = None  # a tied head's blocks (the embedding stays float)
+        self.quantized_head: QuantizedWeight | None = None  # a tied head's blocks (embed_from_quantized_head)
+        self.native_decoder: CpuDecoder | None = None  # the layers as one native call, where it applies
 
     def bind_kv_caches(self, caches: list[KVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.kv_cache = cache
+        self.native_decoder = native_decoder(self, caches)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of the flat batch input_ids [T] at positions [T]."""
-        hidden = self.backend.in_linear_output_layout(self.embed_tokens(input_ids))
+        embeddings = self.embed_tokens(input_ids)
         angles = self.rotary.angles(positions)
+        if self.native_decoder is not None:
+            hidden = self.native_decoder.forward(embeddings, angles, metadata)
+            if hidden is not None:
+                return hidden
+        hidden = self.backend.in_linear_output_layout(embeddings)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(angles, hidden, residual, metadata)
@@ -144,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).contiguous()
         if self.quantized_head is not None:
             return self.backend.quantized_linear(hidden, self.quantized_head).contiguous()
+        assert not isinstance(self.embed_tokens, QuantizedEmbedding)  # a float tied head: the embedding is float
         return self.backend.linear(hidden, self.embed_tokens.weight).contiguous()
 
     def use_quantized(self, weights: dict[str, QuantizedWeight]) -> None:
@@ -161,6 +171,13 @@ class LlamaForCausalLM(nn.Module):
             if not isinstance(module, Linear):
                 raise ValueError(f"{name!r} is not a projection of this model")
             module.use_quantized(weight)
+
+    def embed_from_quantized_head(self) -> None:
+        """Looks tokens up in the tied head's blocks from now on and drops the float embedding. Only where the
+        embedding is those blocks dequantized (a GGUF file's token_embd), not for a head quantized at load."""
+        if self.lm_head is not None or self.quantized_head is None:
+            raise ValueError("only a tied LM head kept as blocks can serve as the embedding")
+        self.embed_tokens = QuantizedEmbedding(self.quantized_head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads transformers-named tensors, fusing q/k/v and gate/up as they arrive. Split over ranks, each

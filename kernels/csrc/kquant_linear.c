@@ -48,6 +48,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dequantized_tiles.h"
+#include "half_float.h"
 #include "parallel.h"
 #include "vector_math.h"
 
@@ -83,26 +85,6 @@ static inline vec bytes_of_words(uint32_t low, uint32_t high) {
  * is signed or comes straight from memory: see quantized_linear.c). */
 static inline vec bytes_to_floats(bytes8 b, int32_t offset) {
     return __builtin_convertvector(__builtin_convertvector(b, ints) - offset, vec);
-}
-
-/* An fp16 scale, stored little-endian (as GGUF is, and every host this runs on). */
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t bits;
-    memcpy(&bits, p, sizeof bits); /* Q6_K's d sits at byte 208 of a 210-byte block: not 2-byte aligned */
-#if defined(__FLT16_MAX__)
-    __extension__ _Float16 half; /* one instruction with F16C (x86) or on ARMv8 */
-    memcpy(&half, &bits, sizeof half);
-    return (float)half;
-#else
-    const uint32_t sign = (uint32_t)(bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1Fu, mantissa = bits & 0x3FFu;
-    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float */
-        const float magnitude = (float)mantissa * 0x1p-24f;
-        return sign ? -magnitude : magnitude;
-    }
-    const uint32_t exponent32 = exponent == 0x1Fu ? 0xFFu : exponent + 112u; /* rebias; inf and NaN stay so */
-    const union { uint32_t bits; float value; } result = {.bits = sign | exponent32 << 23 | mantissa << 13};
-    return result.value;
-#endif
 }
 
 /*
@@ -331,11 +313,16 @@ static int64_t grain_rows(int64_t K, int64_t passes) {
  * Returns 0; -1 (y untouched) for another type or a K that is not a positive multiple of 256; -2 if scratch
  * memory ran out.
  */
+static row_dequantizer dequantize_row;
+
 int kquant_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx, const uint8_t *w,
                       const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type, int num_threads) {
     const enum format format = format_of(ggml_type);
     if (format == FORMATS || K <= 0 || K % QK_K != 0) return -1;
     if (M <= 0) return 0;
+    if (M >= TILE_TOKENS)
+        return linear_by_tiles(y, ldy_token, ldy_row, x, ldx, w, bias, M, N, K, ggml_type,
+                               K / QK_K * BLOCK_BYTES[format], dequantize_row, num_threads);
     /* Scratch: x in plane order, M x K; then, for one token of Q4_K or Q5_K (row_single), its group sums. */
     const int64_t sums = M == 1 && format != Q6_K ? K / GROUP : 0;
     float *scratch = malloc(sizeof(float) * (size_t)(M * K + sums));
@@ -403,6 +390,12 @@ static void dequantize_rows(void *context, int64_t begin, int64_t end) {
         default: dequantize_block(out, block, Q6_K); break;
         }
     }
+}
+
+/* One row of K weights as float32, for dequantized_tiles.c. */
+static void dequantize_row(float *out, const uint8_t *row, int64_t K, int ggml_type) {
+    dequantize_job job = {out, row, K, format_of(ggml_type)};
+    dequantize_rows(&job, 0, 1);
 }
 
 /*

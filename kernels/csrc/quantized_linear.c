@@ -25,8 +25,9 @@
  * which by then is in L1. A single token, which shares a dequantized block with nothing, takes the product
  * regrouped instead (row_single). Rows are split across threads.
  *
- * dequantize_f32 writes W out in float32, a few rows at a time, for prefill: there the product is bound by
- * arithmetic, and a float32 matmul beats this kernel.
+ * From TILE_TOKENS tokens the product goes by float32 tiles instead (dequantized_tiles.c): each weight is
+ * dequantized once and serves every token from L1. dequantize_f32 writes W out in float32, a few rows at a time,
+ * for prefill: there torch's float32 matmul beats both.
  *
  * Built at first use with the system C compiler (kernels/cpu_native.py), for the host CPU.
  */
@@ -34,7 +35,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half_float.h"
 #include "parallel.h"
+#include "dequantized_tiles.h"
 #include "vector_math.h"
 
 enum { QK = 32, TOKENS = 8 };
@@ -63,28 +66,6 @@ static inline vec to_floats(bytes8 b, int32_t offset) {
 
 /* The high nibbles of eight bytes, shifted as 16-bit lanes: x86 has no shift of byte lanes. */
 static inline bytes8 high_nibbles(bytes8 b) { return (bytes8)((halfwords4)b >> 4) & 0x0F; }
-
-/* An fp16 scale, stored little-endian (as GGUF is, and every host this runs on). */
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t bits;
-    memcpy(&bits, p, sizeof bits); /* blocks are 18, 20 or 34 bytes: scales are not 2-byte aligned */
-#if defined(__FLT16_MAX__)
-    /* The compiler has _Float16: one instruction with F16C (x86) or on ARMv8. */
-    __extension__ _Float16 half; /* C23's type, an extension of C11 */
-    memcpy(&half, &bits, sizeof half);
-    return (float)half;
-#else
-    const uint32_t sign = (uint32_t)(bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1Fu, mantissa = bits & 0x3FFu;
-    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float */
-        const float magnitude = (float)mantissa * 0x1p-24f;
-        return sign ? -magnitude : magnitude;
-    }
-    /* Rebias the exponent (15 -> 127); infinities and NaNs keep an all-ones exponent. */
-    const uint32_t exponent32 = exponent == 0x1Fu ? 0xFFu : exponent + 112u;
-    const union { uint32_t bits; float value; } result = {.bits = sign | exponent32 << 23 | mantissa << 13};
-    return result.value;
-#endif
-}
 
 /*
  * A block's 32 weights as d * q + m, q an integer: its scale d, offset m (Q4_1 only; 0 otherwise) and the q
@@ -262,6 +243,20 @@ static int64_t grain_rows(int64_t K, int64_t passes) {
     return work >= GRAIN_BLOCKS ? 1 : GRAIN_BLOCKS / work;
 }
 
+/* One row of K weights as float32, for dequantized_tiles.c. */
+static void dequantize_row(float *out, const uint8_t *row, int64_t K, int ggml_type) {
+    const enum format format = format_of(ggml_type);
+    for (int64_t b = 0; b < K / QK; ++b) {
+        vec w[4];
+        switch (format) { /* constant in each case: the dequantization inlines for that format */
+        case Q8_0: dequantize_block(row + b * BLOCK_BYTES[Q8_0], Q8_0, w); break;
+        case Q4_0: dequantize_block(row + b * BLOCK_BYTES[Q4_0], Q4_0, w); break;
+        default: dequantize_block(row + b * BLOCK_BYTES[Q4_1], Q4_1, w); break;
+        }
+        for (int i = 0; i < 4; ++i) store(out + b * QK + i * LANES, w[i]);
+    }
+}
+
 /*
  * y[m, n] = sum_k W[n, k] * x[m, k] + bias[n] (bias may be NULL), for m < M tokens and n < N rows, W in the
  * format of ggml type id `ggml_type` (Q8_0, Q4_0 or Q4_1), N rows of K / 32 blocks each, contiguous.
@@ -274,6 +269,9 @@ int quantized_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const flo
     const enum format format = format_of(ggml_type);
     if (format == FORMATS || K <= 0 || K % QK != 0) return -1;
     if (M <= 0) return 0;
+    if (M >= TILE_TOKENS)
+        return linear_by_tiles(y, ldy_token, ldy_row, x, ldx, w, bias, M, N, K, ggml_type,
+                               K / QK * BLOCK_BYTES[format], dequantize_row, num_threads);
     /* One token takes row_single, which reads the sums of x's blocks (Q4_1) or nothing (NULL is fine). */
     float *x_sums = NULL;
     if (M == 1 && format == Q4_1) {

@@ -22,9 +22,10 @@
 #include <string.h>
 
 #include "parallel.h"
+#include "skinny_linear.h"
 #include "vector_math.h"
 
-enum { ROWS = 6, WIDE = 2 * LANES };
+enum { ROWS = SKINNY_ROWS, WIDE = 2 * LANES };
 
 /*
  * out[r, 0:vecs * LANES] = sum_k w[r, k] * xt[k, 0:vecs * LANES] + bias[r], r < rows. Always inlined with
@@ -84,6 +85,21 @@ static void row_block(float *out, int64_t ldo, const float *xt, int64_t ldx, con
     for (int r = 0; r < rows; ++r) memcpy(out + r * ldo + m, tail_out + r * LANES, sizeof(float) * (M - m));
 }
 
+void skinny_row_block_f32(float *out, int64_t ldo, const float *xt, int64_t ldx, const float *w, int64_t K,
+                          const float *bias, int64_t M, int rows, const float *tail_x) {
+    row_block(out, ldo, xt, ldx, w, K, bias, M, rows, tail_x);
+}
+
+int skinny_tail_f32(float **tail_x, const float *xt, int64_t ldx, int64_t M, int64_t K) {
+    const int64_t tail = M % LANES, first_tail = M - tail;
+    *tail_x = NULL;
+    if (tail == 0) return 0;
+    *tail_x = calloc((size_t)K * LANES, sizeof(float));
+    if (*tail_x == NULL) return -1;
+    for (int64_t k = 0; k < K; ++k) memcpy(*tail_x + k * LANES, xt + k * ldx + first_tail, sizeof(float) * tail);
+    return 0;
+}
+
 typedef struct {
     float *out;
     int64_t ldo;
@@ -111,14 +127,8 @@ static void row_blocks(void *context, int64_t begin, int64_t end) {
  */
 int skinny_linear_f32(float *out, int64_t ldo, const float *xt, int64_t ldx, const float *w, const float *bias,
                       int64_t M, int64_t N, int64_t K, int num_threads) {
-    /* The last M % LANES token columns, zero-padded to a full vector: shared, read-only, by all threads. */
-    const int64_t tail = M % LANES, first_tail = M - tail;
-    float *tail_x = NULL;
-    if (tail) {
-        tail_x = calloc((size_t)K * LANES, sizeof(float));
-        if (tail_x == NULL) return -1;
-        for (int64_t k = 0; k < K; ++k) memcpy(tail_x + k * LANES, xt + k * ldx + first_tail, sizeof(float) * tail);
-    }
+    float *tail_x; /* shared, read-only, by all threads */
+    if (skinny_tail_f32(&tail_x, xt, ldx, M, K)) return -1;
     linear_job job = {out, ldo, xt, ldx, w, bias, M, N, K, tail_x};
     /* Chunks of 4 row blocks (24 weight rows): microseconds of work each, so taking one costs little and
      * the threads still finish together. */

@@ -1,0 +1,103 @@
+"""The decoder layers as one native call (engine/models/cpu_decoder.py) against the model's modules: the same
+kernels in the same order, so the same tokens and logprobs within float32 rounding (the modules keep a small
+batch feature-major, and the norms then sum each token's features in another order)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.sampling_params import SamplingParams
+from tests.conftest import TINY_COMMON
+
+PROMPTS = [list(range(100, 108)), list(range(300, 340)), list(range(1000, 1003))]
+_ids = itertools.count()
+
+Outputs = dict[int, tuple[list[int], list[float]]]
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 12) -> Outputs:
+    """Greedy tokens and their logprobs, per prompt, all prompts in one batch."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, detokenize=False)
+    ids = {f"r{next(_ids)}": i for i in range(len(prompts))}
+    for request_id, i in ids.items():
+        engine.add_request(request_id, prompts[i], params)
+    out: Outputs = {i: ([], []) for i in ids.values()}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens, logprobs = out[ids[delta.request_id]]
+            tokens += delta.new_token_ids
+            logprobs += [entry.logprob for entry in delta.new_logprobs or []]
+    return out
+
+
+def both_ways(engine: LLMEngine, prompts: list[list[int]]) -> tuple[Outputs, Outputs]:
+    model = engine.runner.model
+    native = model.native_decoder
+    assert native is not None, "the native forward should apply to this model"
+    try:
+        with_native = generate(engine, prompts)
+        model.native_decoder = None
+        with_modules = generate(engine, prompts)
+    finally:
+        model.native_decoder = native
+    return with_native, with_modules
+
+
+@pytest.mark.parametrize(
+    ("family", "qtype"), [("llama", "q4_1"), ("llama", "q8_0"), ("qwen2", "q4_0"), ("mistral", "q4_1")]
+)
+def test_native_forward_generates_what_the_modules_do(
+    tiny_model_dir: Callable[[str], Path], family: str, qtype: str
+) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(family)), quantization=qtype))
+    for prompts in [[prompt] for prompt in PROMPTS] + [PROMPTS]:  # one stream at a time, then a batch
+        native, modules = both_ways(engine, prompts)
+        for i in native:
+            assert native[i][0] == modules[i][0]
+            assert native[i][1] == pytest.approx(modules[i][1], abs=1e-4)
+
+
+def test_native_forward_takes_chunked_prefill(tiny_model_dir: Callable[[str], Path]) -> None:
+    """Chunks of 16 tokens: their rows go through the native forward too (the prompt of 40 through both)."""
+    config = EngineConfig(model=str(tiny_model_dir("llama")), quantization="q4_1", max_num_batched_tokens=16)
+    engine = LLMEngine(config)
+    native, modules = both_ways(engine, PROMPTS)
+    assert {i: tokens for i, (tokens, _) in native.items()} == {i: tokens for i, (tokens, _) in modules.items()}
+
+
+@pytest.mark.parametrize(("family", "quantization"), [("llama", "none"), ("qwen3", "q4_1")])
+def test_native_forward_stands_aside_where_it_does_not_apply(
+    tiny_model_dir: Callable[[str], Path], family: str, quantization: str
+) -> None:
+    """Float projections (not what it multiplies) and q/k norms (not what it computes) keep the modules."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(family)), quantization=quantization))
+    assert engine.runner.model.native_decoder is None
+    assert len(generate(engine, PROMPTS[:1])[0][0]) == 12
+
+
+@pytest.fixture(scope="module")
+def k_quant_sized_llama(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path:
+    """A tiny random Llama whose projections' inputs are multiples of the K-quants' 256-weight blocks."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY_COMMON, "hidden_size": 256, "intermediate_size": 512})
+    folder = tmp_path_factory.mktemp("tiny-llama-256")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(smol_dir).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
+def test_native_forward_takes_k_quants(k_quant_sized_llama: Path, qtype: str) -> None:
+    engine = LLMEngine(EngineConfig(model=str(k_quant_sized_llama), quantization=qtype))
+    native, modules = both_ways(engine, PROMPTS)
+    for i in native:
+        assert native[i][0] == modules[i][0]
+        assert native[i][1] == pytest.approx(modules[i][1], abs=1e-4)
