@@ -88,6 +88,8 @@ class EngineSnapshot:
     grammar_mask_seconds: float = 0.0
     grammar_mask_wait_seconds: float = 0.0
     jump_forward_tokens: int = 0
+    tensor_parallel_size: int = 1
+    communication_seconds: float = 0.0  # rank 0's time in tensor-parallel collectives
 
 
 @dataclass

@@ -208,6 +208,8 @@ class LLMEngine:
             grammar_mask_seconds=constraints.mask_seconds,
             grammar_mask_wait_seconds=constraints.mask_wait_seconds,
             jump_forward_tokens=constraints.num_jumped_tokens,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            communication_seconds=0.0 if self.loaded.group is None else self.loaded.group.comm_seconds,
         )
 
     def collect_stats(self, reset: bool = False) -> EngineStats:

@@ -125,6 +125,13 @@ class _EngineCollector(Collector):
             "Tokens a constraint forced, without a forward.",
             "jump_forward_tokens",
         ),
+        (GaugeMetricFamily, "tensor_parallel_size", "Ranks the model is split over.", "tensor_parallel_size"),
+        (
+            CounterMetricFamily,
+            "tensor_parallel_communication_seconds",
+            "Rank 0's time in tensor-parallel collectives (all-reduces, gathers).",
+            "communication_seconds",
+        ),
     )
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:

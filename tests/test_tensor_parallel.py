@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -188,6 +189,9 @@ def test_a_rank_killed_mid_generation_ends_the_engine_and_every_process(tiny_mod
         start = time.monotonic()
         asyncio.run(stream_then_kill())
         assert time.monotonic() - start < 30
+        deadline = time.monotonic() + 10  # the death callbacks run on the engine's thread, maybe after the stream
+        while not died and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert died == [True] and not engine.is_healthy
         assert "tensor-parallel rank 1 exited (killed by signal SIGKILL)" in engine.unavailable_reason()
     finally:
@@ -257,6 +261,10 @@ def test_the_server_flag_splits_the_model_and_a_lost_rank_stops_the_server(tiny_
         reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"] == expected
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert re.search(r'^pagedserve:tensor_parallel_size\{model_name="[^"]*"\} 2\.0$', metrics, re.M), metrics
+        spent = re.search(r"^pagedserve:tensor_parallel_communication_seconds_total\{.*\} (\S+)$", metrics, re.M)
+        assert spent is not None and float(spent.group(1)) > 0
         everything = psutil.Process(server.pid).children(recursive=True)  # the core and rank 1
         (rank1,) = worker_processes()
         rank1.send_signal(signal.SIGKILL)
