@@ -437,7 +437,7 @@ def test_k8s_manifest_is_schema_valid(path: Path) -> None:
 
 def test_kustomizations_list_existing_files() -> None:
     kustomizations = sorted(K8S.rglob("kustomization.yaml"))
-    assert len(kustomizations) == 2
+    assert len(kustomizations) == 3  # CPU, GPU, tensor-parallel
     listed: set[Path] = set()
     for path in kustomizations:
         kustomization = yaml.safe_load(path.read_text())
