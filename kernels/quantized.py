@@ -49,11 +49,10 @@ __all__ = [
 ]
 
 # Token counts the kernels take (from 16 tokens they dequantize rows into a float32 tile of their own,
-# csrc/dequantized_tiles.c); past them dequantizing ROW_TILE rows into torch's matmul may be faster. Measured
-# with benchmarks/quantized_linear.py (its last table; Q4_1 gate/up and down shapes, 2 cores, AVX2, quiet): the
-# kernels 2.2-4.1x as fast at 16-64 tokens, 1.8-2.0x at 96, 1.5-1.7x at 128. Past 128 the skinny tile's
-# float32 kernel has not been measured against torch's.
-MAX_TOKENS = 128
+# csrc/dequantized_tiles.c); past them dequantizing ROW_TILE rows into torch's matmul. Measured with
+# benchmarks/quantized_linear.py (its last table; Q4_1 gate/up and down shapes, 2 cores, AVX2, quiet): the
+# kernels 1.8-2.2x as fast at 64 tokens; at 96-128 between 1.0x and 2.0x, varying from run to run.
+MAX_TOKENS = 64
 ROW_TILE = 256  # rows dequantized at a time past MAX_TOKENS: a 256 x 1536 float32 tile is 1.5 MiB
 
 

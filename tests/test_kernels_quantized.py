@@ -32,7 +32,7 @@ GGML_TYPES = {
 }
 # SmolLM2's projection widths; token counts around the kernel's 8-token tile and past MAX_TOKENS (torch path).
 FEATURES_IN, FEATURES_OUT = (576, 1536), (192, 576, 1536)
-TOKENS = (1, 2, 3, 7, 16, 33, 100, 140)
+TOKENS = (1, 2, 3, 7, 16, 33, 100)
 assert min(TOKENS[-2:]) <= MAX_TOKENS < TOKENS[-1], "the token counts must cover both paths"
 
 
