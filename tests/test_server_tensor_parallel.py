@@ -10,16 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from pagedserve.engine import EngineConfig
 from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.server import ServerSettings
-from tests.servers import serving
-from tests.test_server import (  # noqa: F401  (collected here, with this module's fixtures)
-    ALIAS,
-    MODEL,
+from tests.test_server import (  # noqa: F401  (collected here; url and client stand on this module's engine)
+    client,
     test_chat_completion,
     test_chat_logprobs,
     test_chat_stream_with_usage,
@@ -29,6 +25,7 @@ from tests.test_server import (  # noqa: F401  (collected here, with this module
     test_n_choices_stream_each_on_its_own_index,
     test_seed_reproduces_sampling,
     test_stop_string,
+    url,
 )
 
 pytestmark = pytest.mark.slow  # three ranks on a 2-core machine: each step pays the all-reduces
@@ -47,17 +44,6 @@ def engine(smol_dir: Path) -> Iterator[AsyncEngine]:
         engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def url(engine: AsyncEngine) -> Iterator[str]:
-    with serving(engine, ServerSettings([MODEL, ALIAS])) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def test_the_model_is_split_over_three_ranks(url: str) -> None:
+def test_the_model_is_split_over_three_ranks(url: str) -> None:  # noqa: F811 (the fixture imported above)
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert 'pagedserve:tensor_parallel_size{model_name="smol"} 3.0' in metrics
