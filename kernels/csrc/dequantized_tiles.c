@@ -17,8 +17,8 @@
 #include "skinny_linear.h"
 
 typedef struct {
-    float *out;
-    int64_t ldo;
+    float *y;
+    int64_t ldy_token, ldy_row;
     const float *xt, *tail_x;
     const uint8_t *w;
     const float *bias;
@@ -42,7 +42,8 @@ static float *thread_scratch(int64_t floats) {
     return scratch;
 }
 
-/* Row tiles [begin, end) of SKINNY_ROWS rows: dequantized into a scratch tile, then multiplied in float32. */
+/* Row tiles [begin, end) of SKINNY_ROWS rows: dequantized into a scratch tile, then multiplied in float32 and
+ * written straight into y, whichever its layout. */
 static void dequantized_tiles(void *context, int64_t begin, int64_t end) {
     tiles_job *job = context;
     float *tile = thread_scratch(SKINNY_ROWS * job->K);
@@ -55,35 +56,42 @@ static void dequantized_tiles(void *context, int64_t begin, int64_t end) {
         const int rows = job->N - n < SKINNY_ROWS ? (int)(job->N - n) : SKINNY_ROWS;
         for (int r = 0; r < rows; ++r)
             job->dequantize_row(tile + r * job->K, job->w + (n + r) * job->row_bytes, job->K, job->ggml_type);
-        skinny_row_block_f32(job->out + n * job->ldo, job->ldo, job->xt, job->M, tile, job->K,
-                             job->bias ? job->bias + n : NULL, job->M, rows, job->tail_x);
+        skinny_row_block_f32(job->y + n * job->ldy_row, job->ldy_row, job->ldy_token, job->xt, job->M, tile,
+                             job->K, job->bias ? job->bias + n : NULL, job->M, rows, job->tail_x);
     }
 }
+
+typedef struct {
+    float *xt;
+    const float *x;
+    int64_t ldx, M;
+} transpose_job;
+
+/* Input features [begin, end) of x into xt [K, M]: each token's run of them is read once, in order. */
+static void transpose_features(void *context, int64_t begin, int64_t end) {
+    const transpose_job *job = context;
+    for (int64_t m = 0; m < job->M; ++m)
+        for (int64_t k = begin; k < end; ++k) job->xt[k * job->M + m] = job->x[m * job->ldx + k];
+}
+
+/* Features a thread transposes at a time: a run of each token's row, and as many rows of xt in cache. */
+enum { TRANSPOSE_GRAIN = 64 };
 
 int linear_by_tiles(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx, const uint8_t *w,
                     const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type, int64_t row_bytes,
                     row_dequantizer *dequantize_row, int num_threads) {
     float *xt = malloc(sizeof(float) * (size_t)(K * M)), *tail_x = NULL;
-    float *out = ldy_token == 1 ? y : malloc(sizeof(float) * (size_t)(N * M));
-    if (xt == NULL || out == NULL) goto fail;
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) xt[k * M + m] = x[m * ldx + k];
-    if (skinny_tail_f32(&tail_x, xt, M, M, K)) goto fail;
-    tiles_job job = {out, ldy_token == 1 ? ldy_row : M, xt, tail_x, w, bias, M, N, K, row_bytes, ggml_type,
-                     dequantize_row, 0};
+    if (xt == NULL) return -2;
+    /* On every thread: done on the caller alone, the copy left the other threads idle for a tenth of a step. */
+    transpose_job transpose = {xt, x, ldx, M};
+    parallel_for(K, TRANSPOSE_GRAIN, num_threads, transpose_features, &transpose);
+    if (skinny_tail_f32(&tail_x, xt, M, M, K)) {
+        free(xt);
+        return -2;
+    }
+    tiles_job job = {y, ldy_token, ldy_row, xt, tail_x, w, bias, M, N, K, row_bytes, ggml_type, dequantize_row, 0};
     parallel_for((N + SKINNY_ROWS - 1) / SKINNY_ROWS, 2, num_threads, dequantized_tiles, &job);
-    if (job.failed) goto fail;
-    if (out != y)
-        for (int64_t n = 0; n < N; ++n)
-            for (int64_t m = 0; m < M; ++m) y[m * ldy_token + n * ldy_row] = out[n * M + m];
     free(tail_x);
-    if (out != y) free(out);
     free(xt);
-    return 0;
-fail:
-    free(tail_x);
-    if (out != y) free(out);
-    free(xt);
-    return -2;
+    return job.failed ? -2 : 0;
 }
-

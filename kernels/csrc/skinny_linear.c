@@ -28,12 +28,13 @@
 enum { ROWS = SKINNY_ROWS, WIDE = 2 * LANES };
 
 /*
- * out[r, 0:vecs * LANES] = sum_k w[r, k] * xt[k, 0:vecs * LANES] + bias[r], r < rows. Always inlined with
- * constant rows and vecs, so the loops unroll and the accumulators live in registers.
+ * out[r, 0:vecs * LANES] = sum_k w[r, k] * xt[k, 0:vecs * LANES] + bias[r], r < rows, where out[r, m] is
+ * out[r * ldo + m * ldo_token]. Always inlined with constant rows and vecs, so the loops unroll and the
+ * accumulators live in registers.
  */
-static inline __attribute__((always_inline)) void tile(float *out, int64_t ldo, const float *xt, int64_t ldx,
-                                                        const float *w, int64_t K, const float *bias, const int rows,
-                                                        const int vecs) {
+static inline __attribute__((always_inline)) void tile(float *out, int64_t ldo, int64_t ldo_token, const float *xt,
+                                                        int64_t ldx, const float *w, int64_t K, const float *bias,
+                                                        const int rows, const int vecs) {
     /* Named accumulators, not an array: GCC keeps these in registers through the k loop. */
     vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
     vec b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, b4 = {0}, b5 = {0};
@@ -49,22 +50,37 @@ static inline __attribute__((always_inline)) void tile(float *out, int64_t ldo, 
         ACCUMULATE(0) ACCUMULATE(1) ACCUMULATE(2) ACCUMULATE(3) ACCUMULATE(4) ACCUMULATE(5)
 #undef ACCUMULATE
     }
+    if (ldo_token == 1) { /* feature-major out: each row's tokens are a vector */
 #define STORE(r)                                                                                                  \
     if (rows > r) {                                                                                               \
         const vec b = splat(bias ? bias[r] : 0.0f);                                                               \
         store(out + r * ldo, a##r + b);                                                                           \
         if (vecs == 2) store(out + r * ldo + LANES, b##r + b);                                                    \
     }
-    STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
+        STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
 #undef STORE
+        return;
+    }
+    /* Token-major out: the tile goes through the stack, so that the caller needs no transposed copy. */
+    float tokens[ROWS][WIDE];
+#define SPILL(r)                                                                                                  \
+    if (rows > r) {                                                                                               \
+        const vec b = splat(bias ? bias[r] : 0.0f);                                                               \
+        store(tokens[r], a##r + b);                                                                               \
+        if (vecs == 2) store(tokens[r] + LANES, b##r + b);                                                        \
+    }
+    SPILL(0) SPILL(1) SPILL(2) SPILL(3) SPILL(4) SPILL(5)
+#undef SPILL
+    for (int m = 0; m < vecs * LANES; ++m)
+        for (int r = 0; r < rows; ++r) out[m * ldo_token + r * ldo] = tokens[r][m];
 }
 
 /* The kernel for a tile of `rows` weight rows and `vecs` vectors of tokens. */
-typedef void tile_kernel(float *, int64_t, const float *, int64_t, const float *, int64_t, const float *);
+typedef void tile_kernel(float *, int64_t, int64_t, const float *, int64_t, const float *, int64_t, const float *);
 #define TILE_KERNEL(rows, vecs)                                                                                   \
-    static void tile_##rows##x##vecs(float *out, int64_t ldo, const float *xt, int64_t ldx, const float *w,       \
-                                     int64_t K, const float *bias) {                                              \
-        tile(out, ldo, xt, ldx, w, K, bias, rows, vecs);                                                          \
+    static void tile_##rows##x##vecs(float *out, int64_t ldo, int64_t ldo_token, const float *xt, int64_t ldx,    \
+                                     const float *w, int64_t K, const float *bias) {                              \
+        tile(out, ldo, ldo_token, xt, ldx, w, K, bias, rows, vecs);                                               \
     }
 TILE_KERNEL(1, 1) TILE_KERNEL(2, 1) TILE_KERNEL(3, 1) TILE_KERNEL(4, 1) TILE_KERNEL(5, 1) TILE_KERNEL(6, 1)
 TILE_KERNEL(1, 2) TILE_KERNEL(2, 2) TILE_KERNEL(3, 2) TILE_KERNEL(4, 2) TILE_KERNEL(5, 2) TILE_KERNEL(6, 2)
@@ -74,20 +90,21 @@ static tile_kernel *const TILES[2][ROWS] = {
 };
 
 /* Every token column of `rows` weight rows; columns past the last full vector go through a padded copy. */
-static void row_block(float *out, int64_t ldo, const float *xt, int64_t ldx, const float *w, int64_t K,
-                      const float *bias, int64_t M, int rows, const float *tail_x) {
+static void row_block(float *out, int64_t ldo, int64_t ldo_token, const float *xt, int64_t ldx, const float *w,
+                      int64_t K, const float *bias, int64_t M, int rows, const float *tail_x) {
     int64_t m = 0;
-    for (; m + WIDE <= M; m += WIDE) TILES[1][rows - 1](out + m, ldo, xt + m, ldx, w, K, bias);
-    for (; m + LANES <= M; m += LANES) TILES[0][rows - 1](out + m, ldo, xt + m, ldx, w, K, bias);
+    for (; m + WIDE <= M; m += WIDE) TILES[1][rows - 1](out + m * ldo_token, ldo, ldo_token, xt + m, ldx, w, K, bias);
+    for (; m + LANES <= M; m += LANES) TILES[0][rows - 1](out + m * ldo_token, ldo, ldo_token, xt + m, ldx, w, K, bias);
     if (m == M) return;
     float tail_out[ROWS * LANES];
-    TILES[0][rows - 1](tail_out, LANES, tail_x, LANES, w, K, bias);
-    for (int r = 0; r < rows; ++r) memcpy(out + r * ldo + m, tail_out + r * LANES, sizeof(float) * (M - m));
+    TILES[0][rows - 1](tail_out, LANES, 1, tail_x, LANES, w, K, bias);
+    for (int r = 0; r < rows; ++r)
+        for (int64_t t = m; t < M; ++t) out[r * ldo + t * ldo_token] = tail_out[r * LANES + t - m];
 }
 
-void skinny_row_block_f32(float *out, int64_t ldo, const float *xt, int64_t ldx, const float *w, int64_t K,
-                          const float *bias, int64_t M, int rows, const float *tail_x) {
-    row_block(out, ldo, xt, ldx, w, K, bias, M, rows, tail_x);
+void skinny_row_block_f32(float *out, int64_t ldo, int64_t ldo_token, const float *xt, int64_t ldx, const float *w,
+                          int64_t K, const float *bias, int64_t M, int rows, const float *tail_x) {
+    row_block(out, ldo, ldo_token, xt, ldx, w, K, bias, M, rows, tail_x);
 }
 
 int skinny_tail_f32(float **tail_x, const float *xt, int64_t ldx, int64_t M, int64_t K) {
@@ -116,7 +133,7 @@ static void row_blocks(void *context, int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
         const int64_t n = block * ROWS;
         const int rows = job->N - n < ROWS ? (int)(job->N - n) : ROWS;
-        row_block(job->out + n * job->ldo, job->ldo, job->xt, job->ldx, job->w + n * job->K, job->K,
+        row_block(job->out + n * job->ldo, job->ldo, 1, job->xt, job->ldx, job->w + n * job->K, job->K,
                   job->bias ? job->bias + n : NULL, job->M, rows, job->tail_x);
     }
 }

@@ -11,11 +11,12 @@
 #define SKINNY_ROWS 6
 
 /*
- * out[r, m] = sum_k w[r * K + k] * xt[k * ldx + m] + bias[r] (bias may be NULL), r < rows <= SKINNY_ROWS,
- * m < M; out rows `ldo` floats apart. tail_x: the last M % 8 token columns, zero-padded (skinny_tail_f32).
+ * out[r * ldo + m * ldo_token] = sum_k w[r * K + k] * xt[k * ldx + m] + bias[r] (bias may be NULL), r < rows <=
+ * SKINNY_ROWS, m < M: feature-major out (ldo_token 1) is stored a vector at a time, any other layout (token-major,
+ * ldo 1) through a small stack tile. tail_x: the last M % 8 token columns, zero-padded (skinny_tail_f32).
  */
-void skinny_row_block_f32(float *out, int64_t ldo, const float *xt, int64_t ldx, const float *w, int64_t K,
-                          const float *bias, int64_t M, int rows, const float *tail_x);
+void skinny_row_block_f32(float *out, int64_t ldo, int64_t ldo_token, const float *xt, int64_t ldx, const float *w,
+                          int64_t K, const float *bias, int64_t M, int rows, const float *tail_x);
 
 /* *tail_x = xt's last M % 8 columns in a zero-padded [K, 8] copy (NULL when M % 8 == 0; free() it). Returns 0,
  * or -1 if memory ran out. */
