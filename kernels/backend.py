@@ -87,6 +87,12 @@ class KernelBackend(ABC):
         """linear() with a weight in a quantized block format (kernels/quantized.py), same output layout."""
         return quantized_linear(x, weight, bias)
 
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        """hidden [R, H] @ weight^T as dense token-major rows [R, V]: the LM head, whose rows the sampler reads."""
+        if isinstance(weight, QuantizedWeight):
+            return self.quantized_linear(hidden, weight).contiguous()
+        return self.linear(hidden, weight).contiguous()
+
     def in_linear_output_layout(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, F] laid out the way linear() returns its outputs, so that the residual stream and the layer
         outputs added to it share one layout."""

@@ -132,6 +132,11 @@ class CpuBackend(KernelBackend):
         out = torch.empty(weight.shape[0], x.shape[0]).t()  # feature-major, as linear() returns
         return quantized_linear(x, weight, bias, out=out)
 
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):  # the kernel writes rows as they are asked for: no transposed copy
+            return quantized_linear(hidden, weight)
+        return super().logits(hidden, weight)
+
     def in_linear_output_layout(self, x: torch.Tensor) -> torch.Tensor:
         return x.t().contiguous().t() if _feature_major(x) else x
 

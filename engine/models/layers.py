@@ -29,6 +29,11 @@ class Linear(nn.Linear):
             return self.backend.quantized_linear(x, self.quantized, self.bias)
         return self.backend.linear(x, self.weight, self.bias)
 
+    @property
+    def stored_weight(self) -> torch.Tensor | QuantizedWeight:
+        """The weight as this layer multiplies by it: its blocks, or the float tensor."""
+        return self.quantized if self.quantized is not None else self.weight
+
     def use_quantized(self, weight: QuantizedWeight) -> None:
         """Multiplies by `weight` from now on and drops the float copy."""
         if weight.shape != tuple(self.weight.shape):

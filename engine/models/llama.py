@@ -148,13 +148,12 @@ class LlamaForCausalLM(nn.Module):
         return self.group.gather_columns(logits)[:, : self.spec.vocab_size]
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # The sampler reduces over the vocabulary: keep the logits dense, whatever layout linear returns.
         if self.lm_head is not None:
-            return self.lm_head(hidden).contiguous()
+            return self.backend.logits(hidden, self.lm_head.stored_weight)  # a head has no bias
         if self.quantized_head is not None:
-            return self.backend.quantized_linear(hidden, self.quantized_head).contiguous()
+            return self.backend.logits(hidden, self.quantized_head)
         assert not isinstance(self.embed_tokens, QuantizedEmbedding)  # a float tied head: the embedding is float
-        return self.backend.linear(hidden, self.embed_tokens.weight).contiguous()
+        return self.backend.logits(hidden, self.embed_tokens.weight)
 
     def use_quantized(self, weights: dict[str, QuantizedWeight]) -> None:
         """Projections ("layers.3.mlp.down_proj", "lm_head") that multiply by stored blocks from now on; their
