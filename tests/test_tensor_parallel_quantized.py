@@ -148,12 +148,32 @@ def test_k_quant_ranks_keep_their_blocks_and_slices_off_blocks_stay_float(
     expected_blocks = in_blocks(whole) - {"layers.0.self_attn.o_proj"}  # layers.1's o_proj is Q5_0: float anyway
     notes = [r.getMessage() for r in caplog.records if "row-parallel" in r.getMessage()]
     assert len(notes) == 2 and "Q4_K: layers.0.self_attn.o_proj" in notes[1] and "rank 1 of 2" in notes[1]
+    o_proj = whole.get_submodule("layers.0.self_attn.o_proj")
+    assert isinstance(o_proj, Linear) and o_proj.quantized is not None
+    split_bytes = block_bytes(whole) - o_proj.quantized.nbytes
     for rank, loaded in enumerate(ranks):
         assert in_blocks(loaded.model) == expected_blocks
-        float_shard = load_model(EngineConfig(model=str(tiny_q4_k_m), quantization="none"), rank_group(rank, 2)).model
-        expected = {**effective_weights(float_shard), "lm_head": float_shard.embed_tokens.weight.data}
-        for name, weight in effective_weights(loaded.model).items():
-            assert torch.equal(weight, expected[name]), (rank, name)
+        assert block_bytes(loaded.model) == pytest.approx(split_bytes / 2, rel=0.01)
+        assert_blocks_hold_the_float_shard(tiny_q4_k_m, loaded.model, rank, 2)
+
+
+def test_k_quant_ranks_sharing_kv_heads_take_the_rows_of_theirs(tiny_q4_k_m: Path) -> None:
+    """2 KV heads over 4 ranks: ranks 0-1 hold KV head 0's k and v rows, ranks 2-3 head 1's (as the float split
+    does). o_proj's 64 and down_proj's 128 columns a rank are off the 256-weight blocks: both stay float."""
+    whole = load_model(EngineConfig(model=str(tiny_q4_k_m))).model
+    row_parallel = {f"layers.{i}.{m}" for i in range(2) for m in ("self_attn.o_proj", "mlp.down_proj")}
+    for rank, loaded in enumerate(load_ranks(4, model=str(tiny_q4_k_m))):
+        assert in_blocks(loaded.model) == in_blocks(whole) - row_parallel
+        assert "layers.1.self_attn.qkv_proj" in in_blocks(loaded.model)
+        assert_blocks_hold_the_float_shard(tiny_q4_k_m, loaded.model, rank, 4)
+
+
+def assert_blocks_hold_the_float_shard(model_file: Path, model: LlamaForCausalLM, rank: int, size: int) -> None:
+    """A rank's weights are its float shard's: the file's blocks dequantized, split as the float weights are."""
+    float_shard = load_model(EngineConfig(model=str(model_file), quantization="none"), rank_group(rank, size)).model
+    expected = {**effective_weights(float_shard), "lm_head": float_shard.embed_tokens.weight.data}
+    for name, weight in effective_weights(model).items():
+        assert torch.equal(weight, expected[name]), (rank, name)
 
 
 def test_quantized_on_load_ranks_round_off_block_slices_as_the_whole_model(
@@ -170,13 +190,13 @@ def test_quantized_on_load_ranks_round_off_block_slices_as_the_whole_model(
     )
     whole_weights = effective_weights(whole)
     for loaded in ranks:
-        model = loaded.model
+        model, weights = loaded.model, effective_weights(loaded.model)
         assert in_blocks(model) == in_blocks(whole) - {f"layers.{i}.self_attn.o_proj" for i in range(2)}
         for name, module in model.named_modules():
             if isinstance(module, RowParallelLinear):
                 part = model.checkpoint_slice(f"{name}.weight")
                 assert part is not None
-                assert torch.equal(effective_weights(model)[name], whole_weights[name][:, part[1] : part[2]]), name
+                assert torch.equal(weights[name], whole_weights[name][:, part[1] : part[2]]), name
 
 
 def test_q8_0_on_load_ranks_hold_half_the_blocks_each(tiny_model_dir: Callable[[str], Path]) -> None:
@@ -210,6 +230,11 @@ def test_q4_k_on_load_with_float_slices_over_two_ranks_matches_one(tiny_model_di
 
 def test_k_quant_gguf_over_two_ranks_matches_one(tiny_q4_k_m: Path) -> None:
     matches_one_rank(tiny_q4_k_m, 2, quantization="auto")
+
+
+@pytest.mark.slow
+def test_k_quant_gguf_over_four_ranks_sharing_kv_heads_matches_one(tiny_q4_k_m: Path) -> None:
+    matches_one_rank(tiny_q4_k_m, 4, quantization="auto")
 
 
 @pytest.mark.slow
