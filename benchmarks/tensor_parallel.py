@@ -2,12 +2,16 @@
 
     python -m benchmarks.tensor_parallel                 # a SmolLM2-sized model at TP=1/2/3 (float32, gloo)
     python -m benchmarks.tensor_parallel --channel       # broadcasting a step's inputs: tensors vs pickled
+    python -m benchmarks.tensor_parallel --quantization q8_0                 # the projections in blocks
+    python -m benchmarks.tensor_parallel --model SmolLM2.gguf --quantization auto --sizes 1 3   # a GGUF's blocks
 
 The first table runs one offline workload through LLMEngine at each size, every rank on one torch thread, and
 reports the step time and the share rank 0 spends in collectives (all-reduces, the embedding's and the LM
 head's gathers). SmolLM2 itself splits over 1 or 3 ranks only (9 heads, 3 KV heads), so the default model is
 SmolLM2's shape with 12 heads of 48 and 6 KV heads, random weights (timing does not depend on them). On a
 2-core machine three ranks share two cores, so TP>1 measures what communication costs, not a speed-up.
+`--quantization` keeps each rank's projections in a block format: quantized at load (random weights), or with
+`auto` the stored blocks of the GGUF file `--model` names (its weights are read, not random).
 
 The second compares the two ways of sending a step to the other ranks (engine/distributed/commands.py): two
 broadcasts of int64 tensors, or a pickled batch (what `broadcast_object_list` does: a size, then the bytes),
@@ -33,6 +37,7 @@ if not __package__:  # run as a script: import the project, not benchmarks/kerne
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine.config import QUANTIZATIONS
 from pagedserve.engine.distributed.commands import Command, receive_command, send_command
 from pagedserve.engine.distributed.group import TensorParallelGroup
 from pagedserve.engine.distributed.rendezvous import Rendezvous, connect_store, join_group, open_master_store
@@ -56,17 +61,19 @@ def smollm2_shaped_model(folder: Path) -> Path:
     return folder
 
 
-def engine_table(model: str, sizes: list[int], num_requests: int, prompt_len: int, output_len: int) -> None:
+def engine_table(
+    model: str, sizes: list[int], num_requests: int, prompt_len: int, output_len: int, quantization: str
+) -> None:
     print("| TP | steps | step ms | forward ms | communication ms | share of step | output tok/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for size in sizes:
         config = EngineConfig(
             model=model,
-            load_format="dummy",
+            load_format="auto" if quantization == "auto" else "dummy",  # stored blocks are read from the file
             tensor_parallel_size=size,
             num_threads=1,
-            quantization="none",
+            quantization=quantization,
             num_kv_blocks=512,
         )
         engine = LLMEngine(config)
@@ -185,8 +192,11 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="auto: a GGUF's blocks")
     parser.add_argument("--channel-rank", nargs=4, help=argparse.SUPPRESS)  # rank host port size: a helper rank
     args = parser.parse_args()
+    if args.quantization == "auto" and not args.model:
+        parser.error("--quantization auto multiplies a GGUF file's blocks: name the file with --model")
     if args.channel_rank:
         rank, host, port, size = args.channel_rank
         channel_rank(Rendezvous(host, int(port), int(size)), int(rank))
@@ -195,7 +205,7 @@ def main() -> None:
     else:
         with tempfile.TemporaryDirectory() as folder:
             model = args.model or str(smollm2_shaped_model(Path(folder)))
-            engine_table(model, args.sizes, args.num_requests, args.prompt_len, args.output_len)
+            engine_table(model, args.sizes, args.num_requests, args.prompt_len, args.output_len, args.quantization)
 
 
 if __name__ == "__main__":

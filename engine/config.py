@@ -24,7 +24,8 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"  # auto = read the weights; dummy = keep random weights (benchmarks)
     # auto: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K projections stay in blocks on the CPU; none: float; one of
-    # those formats (q8_0 ... q6_k): every projection quantized to it at load (CPU, float32)
+    # those formats (q8_0 ... q6_k): every projection quantized to it at load (CPU, float32). Split over ranks,
+    # each rank keeps its shards in blocks (engine/on_load_quantization.py, engine/gguf_weights.py)
     quantization: str = "auto"
 
     # KV cache
@@ -85,12 +86,6 @@ class EngineConfig:
         for ok, name, rule in checks:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
-        if self.tensor_parallel_size > 1 and self.quantization not in ("auto", "none"):
-            # Block formats are not split across ranks yet; `auto` falls back to float weights (model_loader).
-            raise ValueError(
-                f"quantization {self.quantization!r} runs on one rank only: use tensor_parallel_size 1, "
-                "or quantization 'none' with tensor parallelism"
-            )
 
     @classmethod
     def field_names(cls) -> list[str]:

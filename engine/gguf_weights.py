@@ -11,8 +11,13 @@ llama.cpp's converter permutes the rows of Llama-architecture q and k weights (i
 features, transformers' pairs halves); transformers undoes that when it dequantizes, so the rows are put back
 in its order here too.
 
+Split over tensor-parallel ranks, each rank reads only its shard of each tensor from the memory-mapped file
+(engine/block_shards.py), sliced as the float weights are (LlamaForCausalLM.checkpoint_slice). A row-parallel
+projection whose rank slice does not fall on its format's blocks stays dequantized, with one log line.
+
 Reading a GGUF file's metadata (its whole vocabulary) takes seconds in gguf-py, so the fused blocks are saved
-once beside the dequantized weights (BLOCKS_FILE) and later starts read them in milliseconds.
+once beside the dequantized weights (BLOCKS_FILE; a rank's shard in a file of its own, blocks_file) and later
+starts read them in milliseconds.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
+from pagedserve.engine.block_shards import CheckpointSlice, on_block_boundaries, read_shard
 from pagedserve.engine.models import ModelSpec
+from pagedserve.engine.models.layers import vocab_rows_per_rank
+from pagedserve.engine.models.llama import rank_slice
 from pagedserve.kernels.quantized import FORMATS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -43,12 +51,22 @@ BLOCKS_FORMAT = "2"  # bump when what is saved changes (2: K-quants; a tied head
 PERMUTED_ARCHITECTURES = frozenset({"llama"})  # whose q/k rows llama.cpp's converter permutes
 TYPE_NAMES = {fmt.ggml_type: name for name, fmt in FORMATS.items()}
 Part = tuple[ReaderTensor, str]  # a GGUF tensor and its role ("attn_q", "ffn_down", "output")
+Split = tuple[int, int]  # (rank, size): a tensor-parallel rank's shard; None for the whole model
 # Our fused projection -> the GGUF tensors stacked into it, in order.
 FUSED = {
     "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
     "self_attn.o_proj": ("attn_output",),
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
     "mlp.down_proj": ("ffn_down",),
+}
+PART_MODULES = {  # a GGUF role -> the transformers module it dequantizes into
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 
 
@@ -61,15 +79,24 @@ def gguf_source(model_dir: Path) -> Path | None:
     return source if source.exists() else None
 
 
-def stored_blocks(model_dir: Path, gguf_file: Path, spec: ModelSpec) -> dict[str, QuantizedWeight]:
+def blocks_file(split: Split | None) -> str:
+    """Where a model directory keeps the saved blocks of the whole model, or of one rank's shard."""
+    return BLOCKS_FILE if split is None else f"pagedserve_blocks/blocks-rank{split[0]}-of-{split[1]}.safetensors"
+
+
+def stored_blocks(
+    model_dir: Path, gguf_file: Path, spec: ModelSpec, split: Split | None = None
+) -> dict[str, QuantizedWeight]:
     """read_quantized_weights, from the model directory's saved copy when there is one (saved if not)."""
-    saved = model_dir / BLOCKS_FILE
+    saved = model_dir / blocks_file(split)
     if saved.exists():
-        weights = _load_saved(saved)
-        if weights is not None:
-            return weights
-    weights = read_quantized_weights(gguf_file, spec)
-    _save(weights, saved)
+        loaded = _load_saved(saved)
+        if loaded is not None:
+            _log(loaded[1])
+            return loaded[0]
+    weights, notes = _read(gguf_file, spec, split)
+    _log(notes)
+    _save(weights, notes, saved)
     return weights
 
 
@@ -82,11 +109,12 @@ def save_blocks_once(model_dir: Path) -> None:
         stored_blocks(model_dir, source, spec)
 
 
-def _save(weights: dict[str, QuantizedWeight], path: Path) -> None:
-    """Best effort: a read-only model directory (an image's, another user's) only costs the next start time."""
+def _save(weights: dict[str, QuantizedWeight], notes: list[str], path: Path) -> None:
+    """Best effort: a read-only model directory (an image's, another user's) only costs the next start time.
+    `notes`, the log lines on what stays dequantized, are kept to be logged again at each start."""
     tensors = {name: weight.blocks for name, weight in weights.items()}
     layout = {name: [weight.qtype, *weight.shape] for name, weight in weights.items()}
-    metadata = {"format": BLOCKS_FORMAT, "layout": json.dumps(layout)}
+    metadata = {"format": BLOCKS_FORMAT, "layout": json.dumps(layout), "notes": json.dumps(notes)}
     staging = None
     try:
         path.parent.mkdir(exist_ok=True)
@@ -101,34 +129,49 @@ def _save(weights: dict[str, QuantizedWeight], path: Path) -> None:
             Path(staging).unlink(missing_ok=True)
 
 
-def _load_saved(path: Path) -> dict[str, QuantizedWeight] | None:
+def _load_saved(path: Path) -> tuple[dict[str, QuantizedWeight], list[str]] | None:
     with safe_open(path, framework="pt") as saved:
         metadata = saved.metadata() or {}
         if metadata.get("format") != BLOCKS_FORMAT:
             return None
         layout = json.loads(metadata["layout"])
-        return {
+        weights = {
             name: QuantizedWeight(qtype, saved.get_tensor(name), (out_features, in_features))
             for name, (qtype, out_features, in_features) in layout.items()
         }
+        return weights, json.loads(metadata.get("notes", "[]"))  # files saved before notes were kept have none
 
 
-def read_quantized_weights(gguf_file: Path, spec: ModelSpec) -> dict[str, QuantizedWeight]:
-    """Our module names ("layers.3.mlp.gate_up_proj", "lm_head") -> their weights as stored blocks."""
-    reader = GGUFReader(gguf_file)
+def read_quantized_weights(gguf_file: Path, spec: ModelSpec, split: Split | None = None) -> dict[str, QuantizedWeight]:
+    """Our module names ("layers.3.mlp.gate_up_proj", "lm_head") -> their weights as stored blocks: this rank's
+    shards of them where `split` names a rank."""
+    weights, notes = _read(gguf_file, spec, split)
+    _log(notes)
+    return weights
+
+
+def _read(gguf_file: Path, spec: ModelSpec, split: Split | None) -> tuple[dict[str, QuantizedWeight], list[str]]:
+    """(the weights, log lines naming the projections that stay dequantized and why)."""
+    reader = GGUFReader(gguf_file)  # a memory map: tensors are read only where sliced below
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     permuted = _architecture(reader) in PERMUTED_ARCHITECTURES
     weights: dict[str, QuantizedWeight] = {}
     kept_float: dict[str, str] = {}  # module -> its parts' types
+    off_blocks: dict[str, str] = {}  # module -> its type, where a rank's input columns split its blocks
     for module, parts in _projections(tensors, spec):
         types = [tensor.tensor_type for tensor, _ in parts]
-        if len(set(types)) == 1 and int(types[0]) in TYPE_NAMES:
-            weights[module] = _stack([_rows(tensor, part, spec, permuted) for tensor, part in parts])
-        else:
+        if len(set(types)) != 1 or int(types[0]) not in TYPE_NAMES:
             kept_float[module] = "+".join(dict.fromkeys(t.name for t in types))
-    if kept_float:
-        _log_kept_float(kept_float)
-    return weights
+            continue
+        slices = [_part_slice(tensor, part, spec, split) for tensor, part in parts]
+        if not all(on_block_boundaries(s, TYPE_NAMES[int(types[0])]) for s in slices):
+            off_blocks[module] = types[0].name
+            continue
+        shards = [
+            _rows(tensor, part, spec, permuted, s, split) for (tensor, part), s in zip(parts, slices, strict=True)
+        ]
+        weights[module] = _stack(shards)
+    return weights, _kept_float_notes(kept_float) + _off_blocks_notes(off_blocks, spec, split)
 
 
 def _projections(tensors: dict[str, ReaderTensor], spec: ModelSpec) -> Iterator[tuple[str, list[Part]]]:
@@ -142,16 +185,48 @@ def _projections(tensors: dict[str, ReaderTensor], spec: ModelSpec) -> Iterator[
         yield "lm_head", [(head, "output")]
 
 
-def _log_kept_float(kept_float: dict[str, str]) -> None:
-    by_types: dict[str, list[str]] = {}
-    for module, types in kept_float.items():
-        by_types.setdefault(types, []).append(module)
-    named = "; ".join(f"{types}: {', '.join(modules)}" for types, modules in by_types.items())
-    logger.info(
-        "%d projections stay dequantized (block types without a kernel, or fused parts of different types): %s",
-        len(kept_float),
-        named,
-    )
+def _part_slice(tensor: ReaderTensor, part: str, spec: ModelSpec, split: Split | None) -> CheckpointSlice | None:
+    """The rank's slice of a GGUF tensor: the one its float twin's checkpoint tensor is read with."""
+    if split is None:
+        return None
+    if part == "output":
+        return rank_slice("lm_head.weight", spec, *split)
+    layer = tensor.name.split(".")[1]  # "blk.3.attn_q.weight"
+    return rank_slice(f"model.layers.{layer}.{PART_MODULES[part]}.weight", spec, *split)
+
+
+def _kept_float_notes(kept_float: dict[str, str]) -> list[str]:
+    if not kept_float:
+        return []
+    return [
+        f"{len(kept_float)} projections stay dequantized (block types without a kernel, or fused parts of "
+        f"different types): {_grouped(kept_float)}"
+    ]
+
+
+def _off_blocks_notes(off_blocks: dict[str, str], spec: ModelSpec, split: Split | None) -> list[str]:
+    if not off_blocks or split is None:
+        return []
+    rank, size = split
+    widths = f"attention {spec.num_heads * spec.head_dim // size}, MLP {spec.intermediate_size // size}"
+    return [
+        f"{len(off_blocks)} row-parallel projections stay dequantized on rank {rank} of {size}: a rank's input "
+        f"columns ({widths}) do not fall on their format's blocks (32 weights, 256 for K-quants): "
+        f"{_grouped(off_blocks)}"
+    ]
+
+
+def _grouped(reasons: dict[str, str]) -> str:
+    """Modules by reason: 'Q4_K+Q6_K: layers.0.self_attn.qkv_proj, ...; Q5_0: ...'."""
+    by_reason: dict[str, list[str]] = {}
+    for module, reason in reasons.items():
+        by_reason.setdefault(reason, []).append(module)
+    return "; ".join(f"{reason}: {', '.join(modules)}" for reason, modules in by_reason.items())
+
+
+def _log(notes: list[str]) -> None:
+    for note in notes:
+        logger.info("%s", note)
 
 
 def _architecture(reader: GGUFReader) -> str:
@@ -161,16 +236,22 @@ def _architecture(reader: GGUFReader) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def _rows(tensor: ReaderTensor, part: str, spec: ModelSpec, permuted: bool) -> QuantizedWeight:
-    """The tensor's blocks (a type with a kernel) as a [out, in] weight in transformers' row order."""
+def _rows(
+    tensor: ReaderTensor,
+    part: str,
+    spec: ModelSpec,
+    permuted: bool,
+    part_slice: CheckpointSlice | None,
+    split: Split | None,
+) -> QuantizedWeight:
+    """The tensor's blocks (a type with a kernel) as a [out, in] weight in transformers' row order, or the
+    rank's shard `part_slice` of it (the head's padded to the rank's share of the vocabulary)."""
     qtype = TYPE_NAMES[int(tensor.tensor_type)]
     out_features, in_features = (int(n) for n in reversed(tensor.shape.tolist()))
-    weight = QuantizedWeight.from_gguf(tensor.data, qtype, (out_features, in_features))
     heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads}.get(part)
-    if permuted and heads is not None:
-        order = torch.from_numpy(_unpermuted_rows(out_features, heads))
-        weight = QuantizedWeight(qtype, weight.blocks[order].contiguous(), weight.shape)
-    return weight
+    order = _unpermuted_rows(out_features, heads) if permuted and heads is not None else None
+    num_rows = vocab_rows_per_rank(spec.vocab_size, split[1]) if part == "output" and split is not None else None
+    return read_shard(tensor.data, qtype, (out_features, in_features), part_slice, order, num_rows)
 
 
 def _unpermuted_rows(num_rows: int, num_heads: int) -> np.ndarray:

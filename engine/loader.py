@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -137,10 +138,25 @@ def iter_safetensors(model_dir: Path, slice_of: SliceOf | None = None) -> Iterat
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                part = None if slice_of is None else slice_of(name)
-                if part is None:
-                    yield name, handle.get_tensor(name)
-                    continue
-                dim, start, stop = part
-                index = (slice(None),) * dim + (slice(start, stop),)
-                yield name, handle.get_slice(name)[index]
+                yield name, _read_part(handle, name, None if slice_of is None else slice_of(name))
+
+
+def read_checkpoint_part(model_dir: Path, name: str, part: tuple[int, int, int]) -> torch.Tensor:
+    """The part (dim, start, stop) of one checkpoint tensor, found by our name for it (without transformers'
+    "model." prefix); only that part is read."""
+    from safetensors import safe_open
+
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if key.removeprefix("model.") == name:
+                    return _read_part(handle, key, part)
+    raise KeyError(f"{model_dir} holds no tensor {name!r}")
+
+
+def _read_part(handle: Any, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
+    if part is None:
+        return handle.get_tensor(name)
+    dim, start, stop = part
+    index = (slice(None),) * dim + (slice(start, stop),)
+    return handle.get_slice(name)[index]

@@ -20,10 +20,10 @@ from pagedserve.engine.gguf_weights import gguf_source, stored_blocks
 from pagedserve.engine.kv_sizing import model_len_limit
 from pagedserve.engine.loader import iter_safetensors, resolve_model_dir
 from pagedserve.engine.models import LlamaForCausalLM, ModelSpec
-from pagedserve.engine.models.layers import Linear
+from pagedserve.engine.on_load_quantization import quantized_on_load
 from pagedserve.engine.tokenizer import eos_token_ids, load_tokenizer
 from pagedserve.kernels import KernelBackend, get_backend
-from pagedserve.kernels.quantized import FORMATS, QuantizedWeight, block_format, quantize
+from pagedserve.kernels.quantized import FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -73,22 +73,22 @@ def _quantize_projections(
     config: EngineConfig, model: LlamaForCausalLM, model_dir: Path, device: torch.device, dtype: torch.dtype
 ) -> None:
     """A GGUF checkpoint's quantized projections multiply as stored, or every projection is quantized to the
-    format `quantization` names (the CPU kernels read float32 activations)."""
+    format `quantization` names (the CPU kernels read float32 activations). Split over ranks, each rank keeps
+    its shards of them."""
     source = gguf_source(model_dir)
     on_load = config.quantization in FORMATS
     if config.quantization == "none" or (not on_load and (source is None or config.load_format != "auto")):
-        return
-    if model.group is not None:  # EngineConfig refuses an explicit format; `auto` falls back to float
-        logger.info("%s: projections stay float (quantized blocks are not split across ranks)", model_dir)
         return
     if device.type != "cpu" or dtype != torch.float32:
         logger.info("%s: projections stay float (quantized blocks run on the CPU in float32 only)", model_dir)
         return
     if on_load:
-        weights = quantized_on_load(model, config.quantization)
+        checkpoint = model_dir if config.load_format == "auto" else None
+        weights = quantized_on_load(model, config.quantization, checkpoint)
     else:
         assert source is not None
-        weights = stored_blocks(model_dir, source, model.spec)
+        split = None if model.group is None else (model.group.rank, model.group.size)
+        weights = stored_blocks(model_dir, source, model.spec, split)
     model.use_quantized(weights)
     if not on_load and model.quantized_head is not None and model.lm_head is None:
         model.embed_from_quantized_head()  # the float embedding is these blocks dequantized: drop it
@@ -111,22 +111,6 @@ def release_freed_memory() -> None:
         return  # another C library: nothing to do, or nothing we can do
     trim.argtypes = [ctypes.c_size_t]
     trim(0)
-
-
-def quantized_on_load(model: LlamaForCausalLM, qtype: str) -> dict[str, QuantizedWeight]:
-    """Every projection (and the LM head) quantized to `qtype`, rounding as ggml does; projections whose input
-    size is not a multiple of the format's block (32 weights, 256 for the K-quants) stay float."""
-    named: dict[str, torch.Tensor] = {
-        name: module.weight.data for name, module in model.named_modules() if isinstance(module, Linear)
-    }
-    if model.lm_head is None and isinstance(model.embed_tokens, torch.nn.Embedding):
-        named["lm_head"] = model.embed_tokens.weight.data
-    block = block_format(qtype).block_weights
-    weights = {name: quantize(weight, qtype) for name, weight in named.items() if weight.shape[1] % block == 0}
-    if len(weights) < len(named):
-        kept = len(named) - len(weights)
-        logger.info("%d projections stay float: their input size is not a multiple of %s's %d", kept, qtype, block)
-    return weights
 
 
 Weights = Iterator[tuple[str, torch.Tensor]]

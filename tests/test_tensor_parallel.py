@@ -160,12 +160,12 @@ def test_head_counts_that_do_not_split_are_refused_with_the_sizes_that_work(smol
     assert [spec.first_kv_head(rank, 3) for rank in range(3)] == [0, 1, 2]
 
 
-def test_quantized_formats_are_refused_with_tensor_parallelism() -> None:
-    with pytest.raises(ValueError, match="quantization 'q8_0' runs on one rank only"):
-        EngineConfig(tensor_parallel_size=2, quantization="q8_0")
+def test_every_quantization_is_accepted_with_tensor_parallelism() -> None:
+    """Each rank keeps its shards in blocks (tests/test_tensor_parallel_quantized.py)."""
+    for quantization in ("auto", "none", "q8_0", "q4_k"):
+        assert EngineConfig(tensor_parallel_size=2, quantization=quantization).quantization == quantization
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
-    assert EngineConfig(tensor_parallel_size=2).quantization == "auto"  # falls back to float at load
 
 
 def test_a_rank_killed_mid_generation_ends_the_engine_and_every_process(tiny_model_dir) -> None:

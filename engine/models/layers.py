@@ -81,22 +81,35 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        local = token_ids - self.first_row
-        elsewhere = (local < 0) | (local >= self.num_rows)
-        rows = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        local, elsewhere = _local_ids(token_ids, self.first_row, self.num_rows)
+        rows = F.embedding(local, self.weight)
         return self.group.all_reduce(rows.masked_fill_(elsewhere.unsqueeze(-1), 0.0))
+
+
+def _local_ids(token_ids: torch.Tensor, first_row: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids as rows of a rank's slice of the vocabulary, 0 for ids elsewhere; where the ids are elsewhere)."""
+    local = token_ids - first_row
+    elsewhere = (local < 0) | (local >= num_rows)
+    return local.masked_fill(elsewhere, 0), elsewhere
 
 
 class QuantizedEmbedding(nn.Module):
     """A token embedding looked up in a table of blocks: GGUF files store it quantized, and a tied LM head
-    multiplies by the same blocks, so no float copy of the table (113 MiB for SmolLM2) need exist."""
+    multiplies by the same blocks, so no float copy of the table (113 MiB for SmolLM2) need exist. Split over
+    `group`, the table is this rank's rows of the vocabulary, assembled as VocabParallelEmbedding does."""
 
-    def __init__(self, table: QuantizedWeight) -> None:
+    def __init__(self, table: QuantizedWeight, group: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.table = table
+        self.group = group
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return lookup_rows(self.table, input_ids)
+        if self.group is None:
+            return lookup_rows(self.table, input_ids)
+        num_rows = self.table.shape[0]
+        local, elsewhere = _local_ids(input_ids, self.group.rank * num_rows, num_rows)
+        rows = lookup_rows(self.table, local)
+        return self.group.all_reduce(rows.masked_fill_(elsewhere.unsqueeze(-1), 0.0))
 
 
 class RMSNorm(nn.Module):

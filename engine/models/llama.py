@@ -173,10 +173,11 @@ class LlamaForCausalLM(nn.Module):
 
     def embed_from_quantized_head(self) -> None:
         """Looks tokens up in the tied head's blocks from now on and drops the float embedding. Only where the
-        embedding is those blocks dequantized (a GGUF file's token_embd), not for a head quantized at load."""
+        embedding is those blocks dequantized (a GGUF file's token_embd), not for a head quantized at load. Split
+        over ranks, the head's rows are this rank's share of the vocabulary, as the embedding's were."""
         if self.lm_head is not None or self.quantized_head is None:
             raise ValueError("only a tied LM head kept as blocks can serve as the embedding")
-        self.embed_tokens = QuantizedEmbedding(self.quantized_head)
+        self.embed_tokens = QuantizedEmbedding(self.quantized_head, self.group)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads transformers-named tensors, fusing q/k/v and gate/up as they arrive. Split over ranks, each
@@ -205,12 +206,13 @@ class LlamaForCausalLM(nn.Module):
         """The part of a checkpoint tensor this rank holds, or None for all of it (always, unsplit)."""
         if self.group is None:
             return None
-        return _rank_slice(hf_name, self.spec, self.group.rank, self.group.size)
+        return rank_slice(hf_name, self.spec, self.group.rank, self.group.size)
 
 
-def _rank_slice(hf_name: str, spec: ModelSpec, rank: int, size: int) -> CheckpointSlice | None:
-    """Megatron's layout: q/k/v and gate/up split by output rows (column-parallel), o_proj and down_proj by
-    input columns (row-parallel), the embedding and an untied LM head by vocabulary rows; norms whole."""
+def rank_slice(hf_name: str, spec: ModelSpec, rank: int, size: int) -> CheckpointSlice | None:
+    """The part of checkpoint tensor `hf_name` that rank `rank` of `size` holds. Megatron's layout: q/k/v and
+    gate/up split by output rows (column-parallel), o_proj and down_proj by input columns (row-parallel), the
+    embedding and an untied LM head by vocabulary rows; norms whole."""
     name = hf_name.removeprefix("model.")
     if name in VOCAB_PARAMETERS:
         rows = vocab_rows_per_rank(spec.vocab_size, size)
