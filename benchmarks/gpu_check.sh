@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, lean enough for a 15-minute H200 lease (machine start included):
-# gpu tests, kernel benchmark, end-to-end throughput; writes a short report to $OUT (or ./gpu_report).
+# gpu tests, kernel benchmark, end-to-end throughput, and TP=2 against TP=1 where two GPUs are lent (up to
+# 300 s more there); writes a short report to $OUT (or ./gpu_report).
 # The GPU machine already has torch and Triton; only the project's pure-Python dependencies are needed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,4 +14,12 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 timeout 240 python -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_engine_gpu.py 2>&1 | tail -20 | tee "$report_dir/gpu_tests.txt"
 timeout 180 python benchmarks/kernels.py --json "$report_dir/kernels.json" 2>&1 | tee "$report_dir/kernels.txt"
 timeout 300 python benchmarks/gpu_throughput.py --json "$report_dir/throughput.json" 2>&1 | tee "$report_dir/throughput.txt"
+# TP=2 against TP=1 only where CUDA sees two GPUs (CUDA_VISIBLE_DEVICES and MIG included, as the engine would):
+# a one-GPU lease spends a torch import on it, not a model load. Rows print as they finish, so a timeout keeps them.
+gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
+if [ "${gpus:-0}" -ge 2 ]; then
+    timeout 300 python benchmarks/tensor_parallel_gpu.py --sizes 1 2 2>&1 | tee "$report_dir/tensor_parallel.txt"
+else
+    echo "tensor_parallel_gpu: skipped, TP=2 needs 2 GPUs; this machine has ${gpus:-0}" | tee "$report_dir/tensor_parallel.txt"
+fi
 echo "report in $report_dir"
