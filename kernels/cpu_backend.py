@@ -27,6 +27,7 @@ from pagedserve.kernels.cpu_native import (
     decode_attention_kernel,
     write_kv_kernel,
 )
+from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.kernels.quantized import QuantizedWeight, quantized_linear
 
@@ -125,10 +126,10 @@ class CpuBackend(KernelBackend):
         return out if bias is None else out + bias
 
     def quantized_linear(
-        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: AnyQuantizedWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if not _feature_major(x):
-            return quantized_linear(x, weight, bias)
+        if not isinstance(weight, QuantizedWeight) or not _feature_major(x):
+            return super().quantized_linear(x, weight, bias)
         out = torch.empty(weight.shape[0], x.shape[0]).t()  # feature-major, as linear() returns
         return quantized_linear(x, weight, bias, out=out)
 
