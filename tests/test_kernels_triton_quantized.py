@@ -8,6 +8,7 @@ computes it wrongly on CPU).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -19,7 +20,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 from pagedserve.engine.models.layers import Linear
 from pagedserve.kernels.block_formats import FORMATS, QuantizedWeight
 from pagedserve.kernels.cpu_backend import CpuBackend
-from pagedserve.kernels.device_blocks import pack_for_device
+from pagedserve.kernels.device_blocks import DeviceQuantizedWeight, pack_for_device
 from pagedserve.kernels.quantized_reference import dequantize, quantize
 
 triton = pytest.importorskip("triton")
@@ -168,22 +169,27 @@ def test_the_backend_multiplies_packed_weights_with_the_kernel() -> None:
         CpuBackend().quantized_linear(torch.randn(1, 256), pack_for_device(weight, "cpu"))
 
 
-GPU_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # Llama-3-8B: o_proj (and q), up (half of gate_up), down
+GPU_SHAPES = [(4096, 4096), (4096, 14336)]  # Llama-3-8B's o_proj, and down_proj (the longest K: split-K at decode)
+
+
+@functools.cache
+def _gpu_case(qtype: str, out_features: int, in_features: int) -> tuple[DeviceQuantizedWeight, torch.Tensor]:
+    """The packed weight and its dequantized float32 twin on the GPU, quantized once for both dtypes."""
+    weight = _weight(qtype, out_features, in_features, seed=out_features + in_features)
+    return pack_for_device(weight, "cuda"), dequantize(weight).to("cuda")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs compiled Triton kernels on a CUDA device")
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_realistic_shapes_on_the_gpu(qtype: str, dtype: torch.dtype) -> None:
-    """Llama-3-8B's projections at decode (1 and 7 tokens: split-K), a small batch and prefill, against torch's
-    matmul with the dequantized weight (float32 on the GPU)."""
+    """Decode (1 and 7 tokens: split-K), a small batch and prefill, against torch's float32 matmul with the
+    dequantized weight rounded to x's dtype."""
     for out_features, in_features in GPU_SHAPES:
-        weight = _weight(qtype, out_features, in_features, seed=out_features + in_features)
-        packed = pack_for_device(weight, "cuda")
-        w = dequantize(weight).to("cuda", dtype).float()
+        packed, w = _gpu_case(qtype, out_features, in_features)
         for tokens in (1, 7, 48, 512):
             x = torch.randn(tokens, in_features, device="cuda", dtype=dtype)
-            expected = x.float() @ w.T
+            expected = x.float() @ w.to(dtype).float().T
             out = quantized_linear(x, packed)
             torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2, msg=f"{qtype} {tokens} tokens")
