@@ -31,8 +31,8 @@ from pagedserve.kernels.quantized_reference import dequantize, quantize
 from pagedserve.kernels.triton_quantized_linear import (
     DECODE_ROWS,
     GemmTiles,
-    _sm_count,
     choose_tiles,
+    device_sm_count,
     quantized_linear,
 )
 
@@ -76,7 +76,7 @@ def _rows(qtype: str, out_features: int, in_features: int, token_counts: list[in
     dense_copies = [dense] + [dense.clone() for _ in range(_copies(dense.numel() * 2) - 1)]
     for tokens in token_counts:
         x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16)
-        tiles = choose_tiles(tokens, out_features, in_features, _sm_count(x.device))
+        tiles = choose_tiles(tokens, out_features, in_features, device_sm_count(x.device))
         error = (quantized_linear(x, packed).float() - F.linear(x, dense).float()).abs().max().item()
         kernel_us = _us_per_call([partial(quantized_linear, x, w) for w in packed_copies])
         dense_us = _us_per_call([partial(F.linear, x, w) for w in dense_copies])

@@ -1,9 +1,9 @@
 """Weight-only quantized linear in Triton: y = x @ W^T + bias with W kept in a ggml block format on the GPU.
 
 W is a DeviceQuantizedWeight (kernels/device_blocks.py: GGUF's bits with scales split from quants). A program
-owns a [BLOCK_M, BLOCK_N] tile of y and walks K in BLOCK_K steps: each step dequantizes the weight tile in
-registers (kernels/triton_dequant_tiles.py), casts it to x's dtype and feeds two `tl.dot`s, accumulating in
-float32. The output has x's dtype (float16, bfloat16 or float32).
+owns a [BLOCK_M, BLOCK_N] tile of y and walks K in BLOCK_K steps of 32-weight chunks: each chunk is
+dequantized in registers (kernels/triton_dequant_tiles.py), cast to x's dtype and fed to two `tl.dot`s of
+K = 16, accumulating in float32. The output has x's dtype (float16, bfloat16 or float32).
 
 Decode (few tokens) reads every weight byte once and is bound by memory bandwidth: with so few output tiles
 the grid would leave most SMs idle, so K is split across programs (split-K) that write float32 partial sums,
@@ -150,7 +150,7 @@ def quantized_linear(
     (tokens, _), (out_features, in_features) = x.shape, weight.shape
     if tokens == 0:
         return x.new_empty(0, out_features)
-    tiles = tiles or choose_tiles(tokens, out_features, in_features, _sm_count(x.device))
+    tiles = tiles or choose_tiles(tokens, out_features, in_features, device_sm_count(x.device))
     if in_features % tiles.block_k != 0 or tiles.block_k % CHUNK_WEIGHTS != 0:
         raise ValueError(f"block_k must be a multiple of {CHUNK_WEIGHTS} dividing {in_features}, got {tiles.block_k}")
     k_per_split = triton.cdiv(triton.cdiv(in_features, tiles.block_k), tiles.split_k) * tiles.block_k
@@ -227,7 +227,7 @@ def _check_operands(x: torch.Tensor, weight: DeviceQuantizedWeight, bias: torch.
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def device_sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return torch.cuda.get_device_properties(device).multi_processor_count
