@@ -10,7 +10,8 @@ activations at columns lo..lo+15 and hi..hi+15, so nibbles are never shuffled ba
 Every scale, min and high-bit shift is constant within a half (blocks of 32, Q4_K's sub-blocks of 32, Q6_K's
 scales per 16 and its qh bit pairs per 32), so scales load as one value per row, not one per weight: that keeps
 the tiles in registers. Each format's arithmetic is the reference's (kernels/quantized_reference.py), the same
-float32 operations in the same order. Rows past N load zeros, so they dequantize to 0.
+float32 operations in the same order (compiled, a multiply and an add may fuse into one rounding). Rows past N
+load zeros, so they dequantize to 0.
 """
 
 from __future__ import annotations
