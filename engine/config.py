@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 
 
 @dataclass
@@ -23,9 +23,9 @@ class EngineConfig:
     device: str = "auto"  # cuda when available, else cpu
     seed: int = 0
     load_format: str = "auto"  # auto = read the weights; dummy = keep random weights (benchmarks)
-    # auto: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K projections stay in blocks on the CPU; none: float; one of
-    # those formats (q8_0 ... q6_k): every projection quantized to it at load (CPU, float32). Split over ranks,
-    # each rank keeps its shards in blocks (engine/on_load_quantization.py, engine/gguf_weights.py)
+    # auto: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K projections stay in blocks on the CPU; gguf: on CUDA too;
+    # none: float; one of those formats (q8_0 ... q6_k): every projection quantized to it at load. Split over
+    # ranks, each rank keeps its shards in blocks (engine/on_load_quantization.py, engine/gguf_weights.py)
     quantization: str = "auto"
 
     # KV cache

@@ -23,7 +23,8 @@ from pagedserve.engine.models import LlamaForCausalLM, ModelSpec
 from pagedserve.engine.on_load_quantization import quantized_on_load
 from pagedserve.engine.tokenizer import eos_token_ids, load_tokenizer
 from pagedserve.kernels import KernelBackend, get_backend
-from pagedserve.kernels.quantized import FORMATS
+from pagedserve.kernels.device_blocks import AnyQuantizedWeight
+from pagedserve.kernels.quantized import FORMATS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -69,18 +70,26 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+# Devices on which `quantization: auto` keeps a GGUF file's blocks. On CUDA the Triton kernel
+# (kernels/triton_quantized_linear.py) is opt-in, `quantization: gguf`, until a GPU has run its tests and
+# benchmark (tests/test_kernels_triton_quantized.py, benchmarks/triton_quantized_linear.py).
+GGUF_BLOCKS_BY_DEFAULT = ("cpu",)
+
+
 def _quantize_projections(
     config: EngineConfig, model: LlamaForCausalLM, model_dir: Path, device: torch.device, dtype: torch.dtype
 ) -> None:
     """A GGUF checkpoint's quantized projections multiply as stored, or every projection is quantized to the
-    format `quantization` names (the CPU kernels read float32 activations). Split over ranks, each rank keeps
-    its shards of them."""
+    format `quantization` names, where the backend multiplies block formats on this device in this dtype. Split
+    over ranks, each rank keeps its shards of them."""
     source = gguf_source(model_dir)
     on_load = config.quantization in FORMATS
+    if config.quantization == "gguf" and source is None:
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks, but {model_dir} was not made from one")
     if config.quantization == "none" or (not on_load and (source is None or config.load_format != "auto")):
         return
-    if device.type != "cpu" or dtype != torch.float32:
-        logger.info("%s: projections stay float (quantized blocks run on the CPU in float32 only)", model_dir)
+    formats = _formats_multiplied_here(config, model.backend, device, dtype)
+    if not formats:
         return
     if on_load:
         checkpoint = model_dir if config.load_format == "auto" else None
@@ -89,12 +98,39 @@ def _quantize_projections(
         assert source is not None
         split = None if model.group is None else (model.group.rank, model.group.size)
         weights = stored_blocks(model_dir, source, model.spec, split)
-    model.use_quantized(weights)
-    if not on_load and model.quantized_head is not None and model.lm_head is None:
+    placed = _placed(model.backend, weights, formats, device)
+    model.use_quantized(placed)
+    if not on_load and model.lm_head is None and isinstance(model.quantized_head, QuantizedWeight):
         model.embed_from_quantized_head()  # the float embedding is these blocks dequantized: drop it
     release_freed_memory()  # the float copies just dropped
-    stored = sum(weight.nbytes for weight in weights.values())
-    logger.info("%d projections multiply in block formats (%.0f MiB)", len(weights), stored / 2**20)
+    stored = sum(weight.nbytes for weight in placed.values())
+    logger.info("%d projections multiply in block formats on %s (%.0f MiB)", len(placed), device, stored / 2**20)
+
+
+def _formats_multiplied_here(
+    config: EngineConfig, backend: KernelBackend, device: torch.device, dtype: torch.dtype
+) -> frozenset[str]:
+    """The block formats projections keep on `device` in `dtype`: none where the backend has no kernel for them,
+    or where `auto` leaves a GGUF's weights float (GGUF_BLOCKS_BY_DEFAULT)."""
+    formats = backend.quantized_formats(device, dtype)
+    if not formats:
+        logger.info("projections stay float: %s multiplies no block format on %s in %s", backend.name, device, dtype)
+        return frozenset()
+    if config.quantization == "auto" and device.type not in GGUF_BLOCKS_BY_DEFAULT:
+        logger.info("projections stay float on %s: quantization 'gguf' keeps the GGUF file's blocks", device)
+        return frozenset()
+    return formats
+
+
+def _placed(
+    backend: KernelBackend, weights: dict[str, QuantizedWeight], formats: frozenset[str], device: torch.device
+) -> dict[str, AnyQuantizedWeight]:
+    """The weights in `formats`, as the backend reads them on `device`; the others stay float."""
+    kept = {name: weight for name, weight in weights.items() if weight.qtype in formats}
+    if len(kept) < len(weights):
+        left = sorted({weight.qtype for weight in weights.values()} - formats)
+        logger.info("%d projections stay float: %s has no kernel for %s", len(weights) - len(kept), backend.name, left)
+    return {name: backend.place_quantized(weight, device) for name, weight in kept.items()}
 
 
 def release_freed_memory() -> None:

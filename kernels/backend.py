@@ -14,8 +14,9 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.metadata import AttentionMetadata
-from pagedserve.kernels.quantized import QuantizedWeight, quantized_linear
+from pagedserve.kernels.quantized import FORMATS, QuantizedWeight, quantized_linear
 
 BACKEND_NAMES = ("auto", "triton", "cpu")
 DEPRECATED_NAMES = {"torch": "cpu"}  # the CPU backend's former name, so that older configs keep working
@@ -82,16 +83,29 @@ class KernelBackend(ABC):
         return F.linear(x, weight, bias)
 
     def quantized_linear(
-        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: AnyQuantizedWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """linear() with a weight in a quantized block format (kernels/quantized.py), same output layout."""
+        """linear() with a weight in a quantized block format, as `place_quantized` returned it; same output
+        layout."""
+        if not isinstance(weight, QuantizedWeight):
+            raise TypeError(f"the {self.name} backend multiplies CPU blocks, got a weight on {weight.device}")
         return quantized_linear(x, weight, bias)
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | AnyQuantizedWeight) -> torch.Tensor:
         """hidden [R, H] @ weight^T as dense token-major rows [R, V]: the LM head, whose rows the sampler reads."""
-        if isinstance(weight, QuantizedWeight):
-            return self.quantized_linear(hidden, weight).contiguous()
-        return self.linear(hidden, weight).contiguous()
+        if isinstance(weight, torch.Tensor):
+            return self.linear(hidden, weight).contiguous()
+        return self.quantized_linear(hidden, weight).contiguous()
+
+    def quantized_formats(self, device: torch.device, dtype: torch.dtype) -> frozenset[str]:
+        """The block formats quantized_linear multiplies on `device` with activations of `dtype`: by default
+        all of them on the CPU in float32 (kernels/quantized.py), none elsewhere."""
+        return frozenset(FORMATS) if device.type == "cpu" and dtype == torch.float32 else frozenset()
+
+    def place_quantized(self, weight: QuantizedWeight, device: torch.device) -> AnyQuantizedWeight:
+        """`weight` as quantized_linear reads it on `device` (one of quantized_formats'): the CPU kernels read
+        the blocks as GGUF stores them."""
+        return weight
 
     def in_linear_output_layout(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, F] laid out the way linear() returns its outputs, so that the residual stream and the layer

@@ -27,6 +27,7 @@ from pagedserve.kernels.cpu_native import (
     decode_attention_kernel,
     write_kv_kernel,
 )
+from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.kernels.quantized import QuantizedWeight, quantized_linear
 
@@ -125,14 +126,14 @@ class CpuBackend(KernelBackend):
         return out if bias is None else out + bias
 
     def quantized_linear(
-        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: AnyQuantizedWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if not _feature_major(x):
-            return quantized_linear(x, weight, bias)
+        if not isinstance(weight, QuantizedWeight) or not _feature_major(x):
+            return super().quantized_linear(x, weight, bias)
         out = torch.empty(weight.shape[0], x.shape[0]).t()  # feature-major, as linear() returns
         return quantized_linear(x, weight, bias, out=out)
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | AnyQuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):  # the kernel writes rows as they are asked for: no transposed copy
             return quantized_linear(hidden, weight)
         return super().logits(hidden, weight)

@@ -1,5 +1,5 @@
 """CUDA backend: the kernel contract in Triton (also runs on CPU tensors under TRITON_INTERPRET=1); the dense ops
-are the base class's torch defaults.
+are the base class's torch defaults, but for projections kept in block formats (triton_quantized_linear.py).
 
 `prepare` keeps the step's host-side lengths; the first layer to attend turns them into an `AttentionLaunch`
 (query tiles on the device, tile shape, split count) that every later layer of the step reuses. Nothing here
@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
-from pagedserve.kernels import triton_attention, triton_write_kv
+from pagedserve.kernels import triton_attention, triton_quantized_linear, triton_write_kv
 from pagedserve.kernels.backend import KernelBackend
+from pagedserve.kernels.device_blocks import AnyQuantizedWeight, DeviceQuantizedWeight, pack_for_device
 from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.quantized import FORMATS, QuantizedWeight
 from pagedserve.kernels.triton_attention import AttentionLaunch, TileShape, choose_tile_shape
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -72,6 +74,24 @@ class TritonBackend(KernelBackend):
         triton_write_kv.write_kv(
             _unit_stride_head_dim(key), _unit_stride_head_dim(value), k_cache, v_cache, slot_mapping
         )
+
+    def quantized_linear(
+        self, x: torch.Tensor, weight: AnyQuantizedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if isinstance(weight, DeviceQuantizedWeight):
+            return triton_quantized_linear.quantized_linear(x, weight, bias)
+        return super().quantized_linear(x, weight, bias)
+
+    def quantized_formats(self, device: torch.device, dtype: torch.dtype) -> frozenset[str]:
+        if device.type == "cuda" and dtype in SUPPORTED_DTYPES:
+            return frozenset(FORMATS)
+        return super().quantized_formats(device, dtype)
+
+    def place_quantized(self, weight: QuantizedWeight, device: torch.device) -> AnyQuantizedWeight:
+        """On CUDA the blocks repacked for the Triton kernel (kernels/device_blocks.py)."""
+        if device.type == "cuda":
+            return pack_for_device(weight, device)
+        return super().place_quantized(weight, device)
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         metadata.plan = _TritonPlan(

@@ -12,9 +12,9 @@ from pagedserve.engine import SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.gguf_weights import BLOCKS_FILE, gguf_source, read_quantized_weights, stored_blocks
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.model_loader import LoadedModel, load_model
+from pagedserve.engine.model_loader import LoadedModel, _formats_multiplied_here, load_model
 from pagedserve.engine.models.layers import Linear, QuantizedEmbedding
-from pagedserve.kernels.quantized import dequantize, quantize
+from pagedserve.kernels.quantized import FORMATS, dequantize, quantize
 from tests.test_engine import run
 
 
@@ -109,3 +109,27 @@ def test_a_head_quantized_at_load_leaves_the_embedding_float(tiny_model_dir: Cal
     loaded = load_model(EngineConfig(model=str(tiny_model_dir("qwen2")), quantization="q4_0"))  # tied
     assert loaded.model.quantized_head is not None
     assert isinstance(loaded.model.embed_tokens, torch.nn.Embedding)  # quantizing it would change the model
+
+
+def test_quantization_gguf_needs_a_gguf_file(tiny_model_dir: Callable[[str], Path]) -> None:
+    with pytest.raises(ValueError, match="quantization 'gguf' keeps a GGUF file's blocks"):
+        load_model(EngineConfig(model=str(tiny_model_dir("llama")), quantization="gguf"))
+
+
+@pytest.mark.parametrize(
+    ("quantization", "device", "dtype", "kept"),
+    [
+        ("auto", "cpu", torch.float32, True),  # the CPU kernels
+        ("auto", "cpu", torch.bfloat16, False),  # they read float32 only
+        ("auto", "cuda", torch.bfloat16, False),  # the Triton kernel is opt-in on CUDA
+        ("gguf", "cuda", torch.bfloat16, True),
+        ("q4_k", "cuda", torch.float16, True),
+    ],
+)
+def test_where_projections_keep_block_formats(quantization: str, device: str, dtype: torch.dtype, kept: bool) -> None:
+    from pagedserve.kernels.triton_backend import TritonBackend
+
+    config = EngineConfig(quantization=quantization)
+    backend = TritonBackend()  # on the CPU it multiplies the CPU blocks, as every backend does
+    formats = _formats_multiplied_here(config, backend, torch.device(device), dtype)
+    assert formats == (frozenset(FORMATS) if kept else frozenset())

@@ -20,6 +20,7 @@ import torch
 from pagedserve.kernels import AttentionMetadata, RotaryAngles
 from pagedserve.kernels.cpu_attention import plan_attention
 from pagedserve.kernels.cpu_native import VECTOR_LANES, native_function
+from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.quantized import FORMATS, MAX_TOKENS, QuantizedWeight
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def _layer_applies(layer: torch.nn.Module) -> bool:
     if attention.q_norm is not None:
         return False
     projections = (attention.qkv_proj, attention.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    if any(p.quantized is None for p in projections):  # every block format has a native kernel
+    if any(not isinstance(p.quantized, QuantizedWeight) for p in projections):  # every CPU block format has a kernel
         return False
     return all(p.bias is None for p in projections[1:])
 
@@ -193,6 +194,6 @@ def _describe(layer: LlamaDecoderLayer, cache: KVCache) -> _Layer:
     )
 
 
-def _block_weight(weight: QuantizedWeight | None) -> _BlockWeight:
-    assert weight is not None
+def _block_weight(weight: AnyQuantizedWeight | None) -> _BlockWeight:
+    assert isinstance(weight, QuantizedWeight)
     return _BlockWeight(blocks=weight.blocks.data_ptr(), type=FORMATS[weight.qtype].ggml_type)

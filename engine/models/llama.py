@@ -28,6 +28,7 @@ from pagedserve.engine.models.layers import (
 )
 from pagedserve.engine.models.spec import ModelSpec
 from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
+from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.quantized import QuantizedWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -115,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if spec.tie_word_embeddings else Linear(spec.hidden_size, head_rows, bias=False, backend=backend)
         )
-        self.quantized_head: QuantizedWeight | None = None  # a tied head's blocks (embed_from_quantized_head)
+        self.quantized_head: AnyQuantizedWeight | None = None  # a tied head's blocks (embed_from_quantized_head)
         self.native_decoder: CpuDecoder | None = None  # the layers as one native call, where it applies
 
     def bind_kv_caches(self, caches: list[KVCache]) -> None:
@@ -155,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         assert not isinstance(self.embed_tokens, QuantizedEmbedding)  # a float tied head: the embedding is float
         return self.backend.logits(hidden, self.embed_tokens.weight)
 
-    def use_quantized(self, weights: dict[str, QuantizedWeight]) -> None:
+    def use_quantized(self, weights: dict[str, AnyQuantizedWeight]) -> None:
         """Projections ("layers.3.mlp.down_proj", "lm_head") that multiply by stored blocks from now on; their
         float copies are dropped (a tied head keeps the embedding, which lookups still read)."""
         modules = dict(self.named_modules())
@@ -173,10 +174,11 @@ class LlamaForCausalLM(nn.Module):
 
     def embed_from_quantized_head(self) -> None:
         """Looks tokens up in the tied head's blocks from now on and drops the float embedding. Only where the
-        embedding is those blocks dequantized (a GGUF file's token_embd), not for a head quantized at load. Split
-        over ranks, the head's rows are this rank's share of the vocabulary, as the embedding's were."""
-        if self.lm_head is not None or self.quantized_head is None:
-            raise ValueError("only a tied LM head kept as blocks can serve as the embedding")
+        embedding is those blocks dequantized (a GGUF file's token_embd), not for a head quantized at load. Lookups
+        read CPU blocks: a head repacked for the GPU leaves the embedding float. Split over ranks, the head's rows
+        are this rank's share of the vocabulary, as the embedding's were."""
+        if self.lm_head is not None or not isinstance(self.quantized_head, QuantizedWeight):
+            raise ValueError("only a tied LM head kept as CPU blocks can serve as the embedding")
         self.embed_tokens = QuantizedEmbedding(self.quantized_head, self.group)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
