@@ -11,8 +11,9 @@ Then one decode step of one sequence (T = 1): every projection of the 30 layers 
 (fused q/k/v and gate/up), Q4_1, and the LM head in Q8_0 (as in SmolLM2's GGUF), against the same in float32,
 with the bytes of weights each reads.
 
-Last, where MAX_TOKENS comes from: the kernel against kernels/quantized.py's other path (dequantized tiles into
-a float32 matmul) at 16-128 tokens, on the two shapes of SmolLM2's MLP.
+Last, why the kernels take every token count: against kernels/quantized.py's torch path (dequantized tiles of
+256 rows into torch's float32 matmul) at 16-2048 tokens, a decode batch to a prefill step, on the two shapes of
+SmolLM2's MLP.
 
     python -m benchmarks.quantized_linear
 """
@@ -41,7 +42,6 @@ import torch
 
 from pagedserve.kernels.cpu_linear import skinny_linear_kernel
 from pagedserve.kernels.quantized import (
-    MAX_TOKENS,
     QuantizedWeight,
     quantize,
     quantized_linear,
@@ -65,7 +65,7 @@ TOKENS = (1, 4, 8, 16, 32)
 SAMPLES = 100
 STEP_SAMPLES = 15
 CROSSOVER_SHAPES = ((1536, 576), (576, 1536))
-CROSSOVER_TOKENS = (16, 32, 48, 64, 96, 128)
+CROSSOVER_TOKENS = (16, 32, 64, 128, 512, 2048)
 COPY_BYTES = 96 << 20  # 3x this machine's 32 MiB L3: each path's copies of a weight stream from memory
 Call = Callable[[int], object]  # runs one product on copy i of its weights
 
@@ -198,7 +198,7 @@ def print_step_table(quantized_ms: float, float_ms: float, quantized_bytes: int,
 
 
 def print_crossover_table(shapes: dict[tuple[int, int], list[tuple[int, float, float]]]) -> None:
-    print(f"| Q4_1 out x in | tokens | kernel µs | tiles + matmul µs | tiled / kernel |  (MAX_TOKENS = {MAX_TOKENS})")
+    print("| Q4_1 out x in | tokens | kernel µs | tiles + matmul µs | tiled / kernel |")
     print("|---|---:|---:|---:|---:|")
     for (out_features, in_features), results in shapes.items():
         for tokens, kernel_us, tiled_us in results:

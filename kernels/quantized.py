@@ -3,11 +3,12 @@ Q4_K, Q5_K, Q6_K, as GGUF files store them), for the CPU.
 
 A decode step of one sequence reads every weight once: on the CPU it is bound by memory bandwidth, and
 these formats are 3.8-7.1x smaller than float32. `quantized_linear` multiplies float32 activations by the
-weight as stored: for up to MAX_TOKENS tokens with the kernels in csrc/quantized_linear.c and
-csrc/kquant_linear.c, which dequantize each block as it streams past; for more (prefill, where the product is
-bound by arithmetic, not by bytes) by dequantizing ROW_TILE rows at a time into a float32 matmul, so no float32
-copy of the whole weight ever exists. The torch reference (`dequantize`, `quantize`) is in
-kernels/quantized_reference.py; both modules' names are importable from here.
+weight as stored, with the kernels in csrc/quantized_linear.c and csrc/kquant_linear.c: a few tokens dequantize
+each block as it streams past; from 16 tokens (prefill, where the product is bound by arithmetic, not by bytes)
+rows are dequantized a few at a time into float32 register tiles (csrc/dequantized_tiles.c), so no float32
+copy of the whole weight ever exists. Without the compiled library, ROW_TILE rows at a time are dequantized
+into torch's matmul. The torch reference (`dequantize`, `quantize`) is in kernels/quantized_reference.py; both
+modules' names are importable from here.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from pagedserve.kernels.quantized_reference import dequantize, dequantize_rows, 
 __all__ = [
     "BLOCK",
     "FORMATS",
-    "MAX_TOKENS",
     "ROW_TILE",
     "SUPER_BLOCK",
     "BlockFormat",
@@ -48,12 +48,7 @@ __all__ = [
     "tiled_linear",
 ]
 
-# Token counts the kernels take (from 16 tokens they dequantize rows into a float32 tile of their own,
-# csrc/dequantized_tiles.c); past them dequantizing ROW_TILE rows into torch's matmul. Measured with
-# benchmarks/quantized_linear.py (its last table; Q4_1 gate/up and down shapes, 2 cores, AVX2, quiet): the
-# kernels 1.8-2.2x as fast at 64 tokens; at 96-128 between 1.0x and 2.0x, varying from run to run.
-MAX_TOKENS = 64
-ROW_TILE = 256  # rows dequantized at a time past MAX_TOKENS: a 256 x 1536 float32 tile is 1.5 MiB
+ROW_TILE = 256  # rows dequantized at a time without the kernels: a 256 x 1536 float32 tile is 1.5 MiB
 
 
 def quantized_linear(
@@ -69,7 +64,7 @@ def quantized_linear(
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0])
     kernel = quantized_linear_kernel()
-    if kernel is not None and x.shape[0] <= MAX_TOKENS and not x.requires_grad:
+    if kernel is not None and not x.requires_grad:
         return kernel(x, weight, bias, out)
     return tiled_linear(x, weight, bias, out)
 
@@ -84,8 +79,8 @@ def lookup_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
 def tiled_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor
 ) -> torch.Tensor:
-    """quantized_linear's path past MAX_TOKENS, and without the native kernel: float32 matmuls of ROW_TILE
-    dequantized rows at a time. Many tokens share each dequantized tile, and only one tile exists at a time."""
+    """quantized_linear without the native kernels (and what benchmarks measure them against): float32 matmuls
+    of ROW_TILE dequantized rows at a time. Many tokens share each tile, and only one tile exists at a time."""
     dequantize_tile = dequantize_kernel() or dequantize_rows
     for start in range(0, weight.shape[0], ROW_TILE):
         end = min(start + ROW_TILE, weight.shape[0])

@@ -14,7 +14,6 @@ import torch
 from pagedserve.engine.loader import embedded_gguf_path
 from pagedserve.kernels import quantized
 from pagedserve.kernels.quantized import (
-    MAX_TOKENS,
     QuantizedWeight,
     dequantize,
     dequantize_kernel,
@@ -30,10 +29,10 @@ GGML_TYPES = {
     "q4_0": gguf.GGMLQuantizationType.Q4_0,
     "q4_1": gguf.GGMLQuantizationType.Q4_1,
 }
-# SmolLM2's projection widths; token counts around the kernel's 8-token tile and past MAX_TOKENS (torch path).
+# SmolLM2's projection widths; token counts around the kernel's 8-token tile, its float32 tiles from 16 tokens,
+# and past one block of 64 tokens (csrc/dequantized_tiles.c walks the tokens in blocks).
 FEATURES_IN, FEATURES_OUT = (576, 1536), (192, 576, 1536)
 TOKENS = (1, 2, 3, 7, 16, 33, 100)
-assert min(TOKENS[-2:]) <= MAX_TOKENS < TOKENS[-1], "the token counts must cover both paths"
 
 
 def random_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -153,6 +152,15 @@ def test_layouts(tokens: int) -> None:
 
 
 @needs_compiler
+@needs_compiler
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_wide_inputs_take_smaller_blocks_of_tokens(qtype: str) -> None:
+    """8192 input features: blocks of 16 tokens keep their activations in L2; 50 tokens end on a partial one."""
+    weight = quantized_random(qtype, 37, 8192)
+    x = torch.randn(50, 8192, generator=torch.Generator().manual_seed(5))
+    assert_matches_reference(quantized_linear(x, weight), x, weight)
+
+
 def test_no_tokens() -> None:
     assert quantized_linear(torch.randn(0, 576), quantized_random("q4_1", 192, 576)).shape == (0, 192)
 

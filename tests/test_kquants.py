@@ -106,7 +106,7 @@ def test_native_dequantize_is_the_reference_bit_for_bit(qtype: str) -> None:
 
 @needs_compiler
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 17, 48, 100, 140])  # 140: past MAX_TOKENS, the tiled path
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 17, 48, 100, 140])  # 100, 140: several blocks of tokens
 @pytest.mark.parametrize(("out_features", "in_features"), [(37, 256), (193, 1536)])
 def test_matches_reference(qtype: str, tokens: int, out_features: int, in_features: int) -> None:
     weight = quantized_random(qtype, out_features, in_features)
@@ -296,8 +296,8 @@ def test_the_file_is_read_in_its_stored_formats(
 
 
 def test_greedy_tokens_equal_the_dequantized_models(stored_and_float: tuple[LoadedModel, LoadedModel]) -> None:
-    """A request alone (one-token decode steps), then four at once (few-token steps, and a prefill past
-    MAX_TOKENS: the tiled path), through the offline API."""
+    """A request alone (one-token decode steps), then four at once (few-token steps, and a prefill of several
+    blocks of tokens), through the offline API."""
     prompts = [list(range(100, 105)), list(range(300, 320)), list(range(1000, 1140)), [17, 2424, 999]]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

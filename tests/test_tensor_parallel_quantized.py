@@ -40,7 +40,7 @@ CPU = torch.device("cpu")
 REQUESTS = {
     "a": (list(range(200, 230)), GREEDY),
     "b": (list(range(1000, 1007)), GREEDY),
-    "long": (list(range(300, 380)), GREEDY),  # past the kernels' MAX_TOKENS: the tiled path
+    "long": (list(range(300, 380)), GREEDY),  # a prefill of more than one block of tokens
 }
 
 

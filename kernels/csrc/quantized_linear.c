@@ -26,8 +26,8 @@
  * regrouped instead (row_single). Rows are split across threads.
  *
  * From TILE_TOKENS tokens the product goes by float32 tiles instead (dequantized_tiles.c): each weight is
- * dequantized once and serves every token from L1. dequantize_f32 writes W out in float32, a few rows at a time,
- * for prefill: there torch's float32 matmul beats both.
+ * dequantized once per block of tokens and serves them all from L1. dequantize_f32 writes W out in float32, a
+ * few rows at a time (embedding lookups, and the torch path's tiles).
  *
  * Built at first use with the system C compiler (kernels/cpu_native.py), for the host CPU.
  */
