@@ -5,8 +5,8 @@ projections are ggml blocks and the batch is a few tokens (one stream's decode s
 layer against ~0.35 ms of kernels). The native forward runs the same kernels in the same order. It applies
 where every op it composes applies: float32 on the CPU with the native library, every projection kept in a block
 format, no q/k norms, and a step whose every query row the native attention kernel
-takes, of at most MAX_TOKENS tokens (past that, prefill's tiled float matmuls are faster). Elsewhere the
-model's modules run as before.
+takes (decode rows, and prefill chunks of sequences the kernel attends faster than SDPA), of at most
+MAX_TOKENS tokens, which bounds the step's scratch memory. Elsewhere the model's modules run as before.
 """
 
 from __future__ import annotations
@@ -21,10 +21,14 @@ from pagedserve.kernels import AttentionMetadata, RotaryAngles
 from pagedserve.kernels.cpu_attention import plan_attention
 from pagedserve.kernels.cpu_native import VECTOR_LANES, native_function
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
-from pagedserve.kernels.quantized import FORMATS, MAX_TOKENS, QuantizedWeight
+from pagedserve.kernels.quantized import FORMATS, QuantizedWeight
 
 if TYPE_CHECKING:
     from pagedserve.engine.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+
+# The step's activations live in one scratch allocation of ~(3 hidden + qkv + 2 q + 3 intermediate) floats a
+# token: 33 KiB for SmolLM2, 200 KiB for an 8B model, so 2048 tokens take 66-400 MiB.
+MAX_TOKENS = 2048
 
 _pointer, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
