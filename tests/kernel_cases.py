@@ -1,10 +1,27 @@
-"""Random paged-cache scenarios shared by the kernel tests of every backend."""
+"""Random paged-cache scenarios shared by the kernel tests of every backend, and where Triton's run."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import pytest
 import torch
+
+
+def triton_test_device(kernel: Any) -> str:
+    """Where a Triton test module runs `kernel`: "cpu" when it and Triton's library are interpreted, "cuda" when
+    both are compiled and there is a GPU; skips the module where triton was imported compiled without one."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    kernel_interpreted = isinstance(kernel, InterpretedFunction)
+    library_interpreted = isinstance(triton.language.sum, InterpretedFunction)
+    if kernel_interpreted and library_interpreted:
+        return "cpu"
+    if not kernel_interpreted and not library_interpreted and torch.cuda.is_available():
+        return "cuda"
+    pytest.skip("triton was imported uninterpreted earlier: run this file alone", allow_module_level=True)
 
 
 @dataclass

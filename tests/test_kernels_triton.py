@@ -19,28 +19,14 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 from pagedserve import kernels
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.kernels.torch_reference import paged_attention_reference, write_kv_reference
-from tests.kernel_cases import MIXED_BATCHES, PagedCase, make_paged_case
+from tests.kernel_cases import MIXED_BATCHES, PagedCase, make_paged_case, triton_test_device
 
 triton = pytest.importorskip("triton")
 triton_backend = pytest.importorskip("pagedserve.kernels.triton_backend")
 SplitKVPolicy, TritonBackend = triton_backend.SplitKVPolicy, triton_backend.TritonBackend
 
 
-def _kernel_device() -> str:
-    """CPU when interpreted, else CUDA; skips where triton was imported compiled but there is no GPU."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    kernel = triton_backend.triton_attention._paged_attention_kernel
-    kernel_interpreted = isinstance(kernel, InterpretedFunction)
-    library_interpreted = isinstance(triton.language.sum, InterpretedFunction)
-    if kernel_interpreted and library_interpreted:
-        return "cpu"
-    if not kernel_interpreted and not library_interpreted and torch.cuda.is_available():
-        return "cuda"
-    pytest.skip("triton was imported uninterpreted earlier: run this file alone", allow_module_level=True)
-
-
-DEVICE = _kernel_device()
+DEVICE = triton_test_device(triton_backend.triton_attention._paged_attention_kernel)
 FORCED_SPLITS = SplitKVPolicy(target_programs=64, min_tokens_per_split=16)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3}
 

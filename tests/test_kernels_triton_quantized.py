@@ -22,6 +22,7 @@ from pagedserve.kernels.block_formats import FORMATS, QuantizedWeight
 from pagedserve.kernels.cpu_backend import CpuBackend
 from pagedserve.kernels.device_blocks import DeviceQuantizedWeight, pack_for_device
 from pagedserve.kernels.quantized_reference import dequantize, quantize
+from tests.kernel_cases import triton_test_device
 
 triton = pytest.importorskip("triton")
 kernel_module = pytest.importorskip("pagedserve.kernels.triton_quantized_linear")
@@ -33,20 +34,7 @@ GemmTiles, choose_tiles, quantized_linear = (
 )
 
 
-def _kernel_device() -> str:
-    """CPU when interpreted, else CUDA; skips where triton was imported compiled but there is no GPU."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    kernel_interpreted = isinstance(kernel_module._quantized_linear_kernel, InterpretedFunction)
-    library_interpreted = isinstance(triton.language.sum, InterpretedFunction)
-    if kernel_interpreted and library_interpreted:
-        return "cpu"
-    if not kernel_interpreted and not library_interpreted and torch.cuda.is_available():
-        return "cuda"
-    pytest.skip("triton was imported uninterpreted earlier: run this file alone", allow_module_level=True)
-
-
-DEVICE = _kernel_device()
+DEVICE = triton_test_device(kernel_module._quantized_linear_kernel)
 QTYPES = list(FORMATS)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 

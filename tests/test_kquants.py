@@ -18,7 +18,7 @@ import transformers
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.gguf_weights import gguf_source, read_quantized_weights
+from pagedserve.engine.gguf_weights import PART_MODULES, gguf_source, read_quantized_weights
 from pagedserve.engine.model_loader import LoadedModel, load_model
 from pagedserve.engine.models.layers import Linear
 from pagedserve.kernels import quantized
@@ -171,17 +171,7 @@ TENSOR_TYPES = {
     "token_embd": "Q6_K",
 }
 SPECIAL_TOKENS = 17  # SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>, ...
-HF_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
+HF_NAMES = {**PART_MODULES, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 EXPECTED_QTYPES = {  # our projections as stored blocks; the others stay float
     "layers.0.self_attn.o_proj": "q4_k",
     "layers.0.mlp.gate_up_proj": "q4_k",
