@@ -24,8 +24,7 @@ enum { LANES_PER_PASS = 16 };
 typedef struct {
     float *y;
     int64_t ldy_token, ldy_row;
-    const float *xt, *tail_x;
-    int64_t ldx; /* floats between xt's rows */
+    const float *xt, *tail_x; /* xt: the block's activations, [K, M] */
     const uint8_t *w;
     const float *bias;
     int64_t M, N, K, row_bytes;
@@ -62,7 +61,7 @@ static void dequantized_tiles(void *context, int64_t begin, int64_t end) {
         const int rows = job->N - n < SKINNY_ROWS ? (int)(job->N - n) : SKINNY_ROWS;
         for (int r = 0; r < rows; ++r)
             job->dequantize_row(tile + r * job->K, job->w + (n + r) * job->row_bytes, job->K, job->ggml_type);
-        skinny_row_block_f32(job->y + n * job->ldy_row, job->ldy_row, job->ldy_token, job->xt, job->ldx, tile,
+        skinny_row_block_f32(job->y + n * job->ldy_row, job->ldy_row, job->ldy_token, job->xt, job->M, tile,
                              job->K, job->bias ? job->bias + n : NULL, job->M, rows, job->tail_x);
     }
 }
@@ -95,7 +94,7 @@ static int64_t block_tokens(int64_t K) {
 int linear_by_tiles(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx, const uint8_t *w,
                     const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type, int64_t row_bytes,
                     row_dequantizer *dequantize_row, int num_threads) {
-    const int64_t step = block_tokens(K) < M ? block_tokens(K) : M;
+    const int64_t block = block_tokens(K), step = block < M ? block : M;
     /* One block's activations, compact: rows of a slice of an [K, M] copy would lie M floats apart, and at
      * M >= 1024 their stride maps every row to the same few cache sets (measured: half the speed). */
     float *xt = malloc(sizeof(float) * (size_t)(K * step));
@@ -111,8 +110,8 @@ int linear_by_tiles(float *y, int64_t ldy_token, int64_t ldy_row, const float *x
             failed = 1;
             break;
         }
-        tiles_job job = {y + m * ldy_token, ldy_token, ldy_row, xt, tail_x, tokens, w, bias, tokens, N, K,
-                         row_bytes, ggml_type, dequantize_row, 0};
+        tiles_job job = {y + m * ldy_token, ldy_token, ldy_row, xt, tail_x, w, bias, tokens, N, K, row_bytes,
+                         ggml_type, dequantize_row, 0};
         parallel_for((N + SKINNY_ROWS - 1) / SKINNY_ROWS, 2, num_threads, dequantized_tiles, &job);
         failed = job.failed;
         free(tail_x);
