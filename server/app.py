@@ -32,10 +32,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         app.include_router(module.router)
     if settings.web_page:
         app.include_router(web_page_router())
-    # Added innermost first: request ids and counts wrap everything, CORS answers preflights before auth,
-    # bodies are read only for authorized clients, and a full queue refuses before any body is parsed.
-    app.add_middleware(LoadSheddingMiddleware, serving=app.state.serving)
+    # Added innermost first: request ids and counts wrap everything, CORS answers preflights before auth, a full
+    # queue refuses before any body is read (and a place reserved at the door is given back whatever comes
+    # after), and bodies are read only for authorized clients.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(LoadSheddingMiddleware, serving=app.state.serving)
     if settings.api_key:
         open_paths = OPEN_PATHS | page_paths() if settings.web_page else OPEN_PATHS  # the page asks for the key
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)

@@ -18,6 +18,7 @@ from pagedserve.server import offline
 from pagedserve.server.app import create_app
 from pagedserve.server.benchmark.command import add_bench_commands
 from pagedserve.server.context import ServerSettings
+from pagedserve.server.door import Door
 from pagedserve.server.engine_args import add_engine_args, engine_config
 from pagedserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, guarded_protocol
 from pagedserve.server.logs import LOG_FORMATS, configure_logging, uvicorn_text_logging
@@ -168,7 +169,7 @@ def serve_command(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         log_config=None if args.log_format == "json" else uvicorn_text_logging(),  # None: ours, via root
         timeout_graceful_shutdown=ABORT_GRACE_SECONDS,  # the drain has already run when uvicorn waits
-        http=guarded_protocol(args.header_timeout, args.max_connections),
+        http=guarded_protocol(args.header_timeout, args.max_connections, Door(app.state.serving)),
         root_path=args.root_path,
     )
     server = DrainingServer(uvicorn_config, app.state.serving, args.shutdown_timeout)

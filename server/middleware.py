@@ -45,8 +45,7 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        incoming = Headers(scope=scope).get(REQUEST_ID_HEADER, "")
-        request_id = incoming if _VALID_REQUEST_ID.fullmatch(incoming) else uuid.uuid4().hex
+        request_id = valid_request_id(Headers(scope=scope).get(REQUEST_ID_HEADER, ""))
         record = RequestRecord(request_id, scope["method"], scope["path"])
         scope.setdefault("state", {}).update(request_id=request_id, record=record)
 
@@ -217,8 +216,10 @@ class LoadSheddingMiddleware:
         if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
+        state = scope.setdefault("state", {})
         try:
-            reservation = self.serving.engine.reserve_place()
+            # Admitted at the door (server/door.py) when the protocol has one, else here.
+            reservation = state[RESERVATION] if RESERVATION in state else self.serving.engine.reserve_place()
         except QueueFullError as exc:
             scope["route"] = _RouteLabel(route_path(scope))
             error = to_api_error(exc, "prompt")
@@ -227,7 +228,7 @@ class LoadSheddingMiddleware:
                 record.error_code = error.code
             await error.response()(scope, receive, send)
             return
-        scope.setdefault("state", {})[RESERVATION] = reservation
+        state[RESERVATION] = reservation
         try:
             await asyncio.sleep(0)  # the rest of a burst is admitted or refused before this request's work
             await self.app(scope, receive, send)
@@ -251,8 +252,7 @@ def _record(scope: Scope) -> RequestRecord | None:
 
 class ApiKeyMiddleware:
     """Requires `Authorization: Bearer <key>` on every route but `open_paths`: the probes and /metrics, and the web
-    page's files, which then ask for the key (the scheme in any case, as RFC 7235 has it; the key compared in
-    constant time)."""
+    page's files, which then ask for the key."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
@@ -272,6 +272,17 @@ class ApiKeyMiddleware:
         await error.response()(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        scheme, _, key = Headers(scope=scope).get("authorization", "").partition(" ")
         # Headers decodes as Latin-1: encoding back gives the bytes the client sent.
-        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip(" ").encode("latin-1"), self._expected)
+        return bearer_key_matches(Headers(scope=scope).get("authorization", "").encode("latin-1"), self._expected)
+
+
+def valid_request_id(incoming: str) -> str:
+    """The client's X-Request-Id when it is safe in logs and headers, else a new one."""
+    return incoming if _VALID_REQUEST_ID.fullmatch(incoming) else uuid.uuid4().hex
+
+
+def bearer_key_matches(authorization: bytes, expected: bytes) -> bool:
+    """Whether an Authorization header's value is `Bearer <expected>`: the scheme in any case, as RFC 7235 has it,
+    the key compared in constant time."""
+    scheme, _, key = authorization.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(b" "), expected)

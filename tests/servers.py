@@ -14,6 +14,8 @@ from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, create_app
+from pagedserve.server.door import Door
+from pagedserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, guarded_protocol
 from tests.background import BackgroundServer
 
 
@@ -29,8 +31,10 @@ def running_engine(config: EngineConfig, loaded: LoadedModel) -> Iterator[AsyncE
 
 @contextlib.contextmanager
 def serving(engine: AsyncEngine, settings: ServerSettings) -> Iterator[str]:
-    """The base URL of a uvicorn server on 127.0.0.1 in front of `engine`."""
-    with BackgroundServer(create_app(engine, settings)) as server:
+    """The base URL of a uvicorn server on 127.0.0.1 in front of `engine`, with `pagedserve serve`'s protocol."""
+    app = create_app(engine, settings)
+    protocol = guarded_protocol(DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Door(app.state.serving))
+    with BackgroundServer(app, http=protocol) as server:
         yield server.url
 
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.engine import EngineConfig
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, cli
+from tests.raw_http import RawResponse, connect, http_series, read_response, request_bytes
 from tests.servers import free_port, running_engine, serving, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,46 +94,6 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Callable[[s
             process.wait()
 
 
-def connect(url: str, timeout: float = 30.0) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=timeout)
-
-
-def request_bytes(method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
-    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
-    if body is not None:
-        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
-
-
-@dataclass
-class RawResponse:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    def json(self) -> dict:
-        return json.loads(self.body)
-
-
-def read_response(sock: socket.socket) -> RawResponse:
-    """One response with a Content-Length (what every non-streamed answer here has), leaving the connection open."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"the connection closed mid-response: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    status_line, *header_lines = head.decode("latin-1").split("\r\n")
-    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in header_lines)}
-    while len(body) < int(headers["content-length"]):
-        chunk = sock.recv(65536)
-        assert chunk, "the connection closed mid-body"
-        body += chunk
-    return RawResponse(int(status_line.split()[1]), headers, body)
-
-
 def closed_within(sock: socket.socket, seconds: float) -> bool:
     """Whether the server closes `sock` within `seconds` (reading and discarding whatever it sends)."""
     deadline = time.monotonic() + seconds
@@ -147,17 +107,6 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
         except TimeoutError:
             return False
     return False
-
-
-def http_series(url: str) -> dict[tuple[str, str, str], float]:
-    """pagedserve:http_requests_total by (route, method, status)."""
-    series = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            if sample.name == "pagedserve:http_requests_total":
-                labels = sample.labels
-                series[labels["route"], labels["method"], labels["status"]] = sample.value
-    return series
 
 
 def assert_openai_error(response: httpx.Response | RawResponse, status: int, code: str) -> dict:
@@ -196,16 +145,28 @@ def test_client_text_cannot_forge_log_lines(served: Served) -> None:
 # ---- 2. metric labels ------------------------------------------------------------------------------------------
 
 
-def test_made_up_methods_are_counted_as_other(url: str) -> None:
+# Methods the HTTP parser knows (WebDAV's, RTSP's, ...) that are none of HTTP's standard ones.
+UNCOMMON_METHODS = ("PROPFIND", "PROPPATCH", "MKCOL", "COPY", "MOVE", "LOCK", "UNLOCK", "REPORT", "PURGE", "LINK")
+
+
+def test_uncommon_methods_are_counted_as_other(url: str) -> None:
     before = http_series(url)
     with httpx.Client(base_url=url) as client:
         for i in range(200):
-            client.request(f"FOO{i}", "/v1/models" if i % 2 else "/nowhere")
+            client.request(UNCOMMON_METHODS[i % len(UNCOMMON_METHODS)], "/v1/models" if i % 2 else "/nowhere")
     after = http_series(url)
     new = set(after) - set(before)
     assert len(new) <= 3, new  # other on /v1/models and unmatched, and the first scrape's own GET /metrics
     assert {method for _, method, _ in new} <= {"other", "GET"}
     assert sum(value for (_, method, _), value in after.items() if method == "other") >= 200
+
+
+def test_made_up_methods_are_400_at_the_parser_and_never_counted(url: str) -> None:
+    before = http_series(url)
+    with connect(url) as sock:
+        sock.sendall(request_bytes("FOO1", "/v1/models"))
+        assert read_response(sock).status == 400
+    assert http_series(url).keys() - before.keys() <= {("/metrics", "GET", "200")}
 
 
 # ---- 3. unexpected exceptions ------------------------------------------------------------------------------------
@@ -326,6 +287,20 @@ def test_wrong_credentials_are_still_401(secured_url: str, value: str) -> None:
 
 
 # ---- 7. slow and idle connections --------------------------------------------------------------------------------
+
+
+def test_headers_past_the_cap_are_431_and_the_connection_closes(url: str) -> None:
+    with connect(url) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        for _ in range(20):  # 100 KiB of one header, in pieces
+            sock.sendall(b"X-Padding-" + b"a" * 5110 + b": b\r\n")
+            time.sleep(0.01)
+        refused = read_response(sock)
+        assert closed_within(sock, SLACK)
+    assert_openai_error(refused, 431, "request_headers_too_large")
+    with connect(url) as sock:  # big but under the cap
+        sock.sendall(request_bytes("GET", "/health", headers={"X-Padding": "a" * 32_000}))
+        assert read_response(sock).status == 200
 
 
 def test_trickled_headers_are_cut_off_at_the_header_timeout(served: Served) -> None:
