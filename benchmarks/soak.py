@@ -33,6 +33,7 @@ import psutil
 from benchmarks.hostile import ATTACKS
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.server import ServerSettings, create_app
+from pagedserve.server.door import Door
 from pagedserve.server.engine_args import add_engine_args, engine_config
 from pagedserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, guarded_protocol
 from tests.background import BackgroundServer
@@ -264,8 +265,10 @@ def main() -> None:
     if not engine.wait_ready():
         sys.exit(f"the engine failed to load: {engine.unavailable_reason()}")
     try:
-        guarded = guarded_protocol(DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS)  # `pagedserve serve`'s defaults
-        with BackgroundServer(create_app(engine, ServerSettings([MODEL])), http=guarded) as server:
+        app = create_app(engine, ServerSettings([MODEL]))
+        door = Door(app.state.serving)
+        guarded = guarded_protocol(DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, door)  # `pagedserve serve`'s
+        with BackgroundServer(app, http=guarded) as server:
             report = soak(
                 server.url,
                 engine,
