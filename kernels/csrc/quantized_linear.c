@@ -321,6 +321,19 @@ static int64_t grain_rows(int64_t K, int64_t passes) {
     return work >= GRAIN_BLOCKS ? 1 : GRAIN_BLOCKS / work;
 }
 
+/*
+ * Rows a unit of parallel work for one token: N rows in SINGLE_CHUNKS units a thread where GRAIN_BLOCKS would
+ * make more. Each unit streams from memory as one sequential run, and the hardware prefetcher ramps up again at
+ * each one's start: a decode step's projections take 10-15% less time so (2 threads, Zen 3). Two a thread still
+ * let one thread take over what a descheduled other has not begun.
+ */
+enum { SINGLE_CHUNKS = 2 };
+static int64_t single_token_rows(int64_t N, int64_t K, int threads) {
+    const int64_t units = SINGLE_CHUNKS * (threads > 1 ? threads : 1), even = (N + units - 1) / units;
+    const int64_t least = grain_rows(K, 1);
+    return even > least ? even : least;
+}
+
 /* One row of K weights as float32, for dequantized_tiles.c. */
 static void dequantize_row(float *out, const uint8_t *row, int64_t K, int ggml_type) {
     const enum format format = format_of(ggml_type);
@@ -361,7 +374,8 @@ int quantized_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const flo
         }
     }
     linear_job job = {y, ldy_token, ldy_row, x, x_sums, ldx, w, bias, M, K, format};
-    parallel_for(N, grain_rows(K, (M + TOKENS - 1) / TOKENS), num_threads, linear_rows, &job);
+    const int64_t grain = M == 1 ? single_token_rows(N, K, num_threads) : grain_rows(K, (M + TOKENS - 1) / TOKENS);
+    parallel_for(N, grain, num_threads, linear_rows, &job);
     free(x_sums);
     return 0;
 }
