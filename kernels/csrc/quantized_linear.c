@@ -24,7 +24,8 @@
  * sums, reduced across lanes once the row is done. Tokens past TOKENS take further passes over the row,
  * which by then is in L1. A single token, which shares a dequantized block with nothing, takes the product
  * regrouped instead (row_single): the block's integers times x, scaled once per block; written in AVX2
- * intrinsics where the host has them, in the vector extensions elsewhere. Rows are split across threads.
+ * intrinsics where the host has them, in the vector extensions elsewhere. Rows are split across threads (for a
+ * single token, in two runs of rows a thread: single_token_rows).
  *
  * From TILE_TOKENS tokens the product goes by float32 tiles instead (dequantized_tiles.c): each weight is
  * dequantized once per block of tokens and serves them all from L1. dequantize_f32 writes W out in float32, a
@@ -152,13 +153,15 @@ static inline __attribute__((always_inline)) void row_tile(float *y, int64_t ldy
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /*
- * row_single in AVX2 intrinsics, for x86 since Haswell and Zen: GCC's vector extensions leave it 40% slower
- * (measured, Zen 3: 3.3 against 4.5 ns a Q4_1 block, 2.8 against 4.6 Q8_0). The bytes widen to int32 as they
- * load (vpmovzxbd/vpmovsxbd from memory: GCC widens signed bytes one lane at a time, and unsigned ones only
- * from a register), and a nibble is then a mask or a shift of whole int32 lanes, with no higher bits to clear;
- * d and m convert from fp16 in one instruction. Rows are taken one at a time: interleaving the blocks of two or
- * four rows, to share x's loads, is 5% faster from L2 but up to twice as slow from memory (the LM head, one
- * thread: 5.3 against 10.6 GB/s with four), where one sequential run at a time suits the hardware prefetcher.
+ * row_single in AVX2 intrinsics, for x86 since Haswell and Zen: 1.5x the vector extensions' speed for Q4_1, 1.8x
+ * for Q8_0 (Zen 3, weights in L2: 2.1 against 3.2 ns a Q4_1 block, 1.8 against 3.3 a Q8_0 one). The bytes widen
+ * to int32 as they load (vpmovzxbd/vpmovsxbd from memory: GCC widens signed bytes one lane at a time, and
+ * unsigned ones only from a register), and a nibble is then a mask or a shift of whole int32 lanes, with no
+ * higher bits to clear; d and m convert from fp16 in one instruction. Rows are taken one at a time:
+ * interleaving the blocks of two or four rows, to share x's loads, is 5% faster from L2 but up to twice as slow
+ * from memory (the LM head, one thread: 5.3 GB/s four rows at a time, 10.6 one at a time), where one
+ * sequential run suits the hardware prefetcher. Two blocks a step (their scales converted together, two
+ * accumulators) measured no faster.
  */
 
 /* A block's first four bytes as floats: d, then m for Q4_1 (for the others, two bytes of q: unused). */
@@ -243,7 +246,6 @@ static inline __attribute__((always_inline)) void row_single(float *y, const flo
     }
     *y = horizontal_sum(scaled) + offsets + bias;
 }
-
 #endif
 
 /* The row kernels for one format: row_single, and row_tile for each token count. */
