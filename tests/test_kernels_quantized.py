@@ -138,6 +138,16 @@ def test_bias(qtype: str, tokens: int) -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (7, 32), (5, 64), (3, 96)])
+def test_one_token_small_shapes(qtype: str, out_features: int, in_features: int) -> None:
+    """One token (the kernel's own path, row_single) on rows of one to three blocks, and odd row counts."""
+    weight = quantize(random_weight(out_features, 96, seed=out_features)[:, :in_features].contiguous(), qtype)
+    x, bias = torch.randn(1, in_features) + 0.5, torch.randn(out_features)
+    assert_matches_reference(quantized_linear(x, weight, bias), x, weight, bias)
+
+
+@needs_compiler
 @pytest.mark.parametrize("tokens", [1, 5, 16, 100])
 def test_layouts(tokens: int) -> None:
     """Feature-major x (the CPU backend's layout for small batches) is read correctly, and `out` may be

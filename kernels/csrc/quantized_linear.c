@@ -23,7 +23,9 @@
  * into four vectors; each token then adds their products with its 32 activations into one vector of partial
  * sums, reduced across lanes once the row is done. Tokens past TOKENS take further passes over the row,
  * which by then is in L1. A single token, which shares a dequantized block with nothing, takes the product
- * regrouped instead (row_single). Rows are split across threads.
+ * regrouped instead (row_single): the block's integers times x, scaled once per block; written in AVX2
+ * intrinsics where the host has them, in the vector extensions elsewhere. Rows are split across threads (for a
+ * single token, in two runs of rows a thread: single_token_rows).
  *
  * From TILE_TOKENS tokens the product goes by float32 tiles instead (dequantized_tiles.c): each weight is
  * dequantized once per block of tokens and serves them all from L1. dequantize_f32 writes W out in float32, a
@@ -39,6 +41,10 @@
 #include "parallel.h"
 #include "dequantized_tiles.h"
 #include "vector_math.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 enum { QK = 32, TOKENS = 8 };
 /* ggml's type ids (GGUF's tensor types). */
@@ -145,6 +151,79 @@ static inline __attribute__((always_inline)) void row_tile(float *y, int64_t ldy
     for (int t = 0; t < tokens; ++t) y[t * ldy_token] = sums[t] + bias;
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/*
+ * row_single in AVX2 intrinsics, for x86 since Haswell and Zen: 1.5x the vector extensions' speed for Q4_1, 1.8x
+ * for Q8_0 (Zen 3, weights in L2: 2.1 against 3.2 ns a Q4_1 block, 1.8 against 3.3 a Q8_0 one). The bytes widen
+ * to int32 as they load (vpmovzxbd/vpmovsxbd from memory: GCC widens signed bytes one lane at a time, and
+ * unsigned ones only from a register), and a nibble is then a mask or a shift of whole int32 lanes, with no
+ * higher bits to clear; d and m convert from fp16 in one instruction. Rows are taken one at a time:
+ * interleaving the blocks of two or four rows, to share x's loads, is 5% faster from L2 but up to twice as slow
+ * from memory (the LM head, one thread: 5.3 GB/s four rows at a time, 10.6 one at a time), where one
+ * sequential run suits the hardware prefetcher. Two blocks a step (their scales converted together, two
+ * accumulators) measured no faster.
+ */
+
+/* A block's first four bytes as floats: d, then m for Q4_1 (for the others, two bytes of q: unused). */
+static inline __m128 block_scales(const uint8_t *block) {
+    int32_t bits;
+    memcpy(&bits, block, sizeof bits);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+}
+
+/* Eight bytes at any address as eight int32, widened by the load itself. */
+static inline __m256i unsigned_bytes(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+static inline __m256i signed_bytes(const uint8_t *p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+/* q . x_b for one block, as eight partial sums: q the block's integers (Q4_0's less 8), xb its 32 activations. */
+static inline __attribute__((always_inline)) __m256 block_dot(const uint8_t *block, const float *xb,
+                                                              const enum format format) {
+    __m256i q[4];
+    if (format == Q8_0) {
+        for (int i = 0; i < 4; ++i) q[i] = signed_bytes(block + 2 + 8 * i);
+    } else {
+        const uint8_t *qs = block + (format == Q4_1 ? 4 : 2);
+        const __m256i low = unsigned_bytes(qs), high = unsigned_bytes(qs + 8), nibble = _mm256_set1_epi32(0x0F);
+        q[0] = _mm256_and_si256(low, nibble);
+        q[1] = _mm256_and_si256(high, nibble);
+        q[2] = _mm256_srli_epi32(low, 4);
+        q[3] = _mm256_srli_epi32(high, 4);
+        if (format == Q4_0)
+            for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(8));
+    }
+    __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(q[0]), _mm256_loadu_ps(xb));
+    for (int i = 1; i < 4; ++i) dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), _mm256_loadu_ps(xb + 8 * i), dot);
+    return dot;
+}
+
+/*
+ * One token: y = sum over blocks of d * (q . x_b) + m * sum(x_b) + bias, with sum(x_b), the sums of x's
+ * blocks, computed once per call (Q4_1 only: the other formats have no m). The same product as row_tile's,
+ * regrouped: with a single token nothing shares a dequantized block, and this skips the four multiply-adds
+ * that dequantize it.
+ */
+static inline __attribute__((always_inline)) void row_single(float *y, const float *x, const float *x_sums,
+                                                             const uint8_t *row, int64_t blocks, float bias,
+                                                             const enum format format) {
+    __m256 scaled = _mm256_setzero_ps();
+    __m128 offsets = _mm_setzero_ps(); /* lane 1: the sum of m * sum(x_b) (lane 0 sums d * sum(x_b): unused) */
+    const int64_t block_bytes = BLOCK_BYTES[format];
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *block = row + b * block_bytes;
+        const __m128 scales = block_scales(block);
+        scaled = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), block_dot(block, x + b * QK, format), scaled);
+        if (format == Q4_1) offsets = _mm_fmadd_ps(scales, _mm_broadcast_ss(x_sums + b), offsets);
+    }
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(scaled), _mm256_extractf128_ps(scaled, 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    const float sum = _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+    *y = sum + (format == Q4_1 ? _mm_cvtss_f32(_mm_movehdup_ps(offsets)) : 0.0f) + bias;
+}
+#else
 /*
  * One token: y = sum over blocks of d * (q . x_b) + m * sum(x_b) + bias, with sum(x_b), the sums of x's
  * blocks, computed once per call (Q4_1 only: the other formats have no m). The same product as row_tile's,
@@ -167,6 +246,7 @@ static inline __attribute__((always_inline)) void row_single(float *y, const flo
     }
     *y = horizontal_sum(scaled) + offsets + bias;
 }
+#endif
 
 /* The row kernels for one format: row_single, and row_tile for each token count. */
 typedef void single_kernel(float *, const float *, const float *, const uint8_t *, int64_t, float);
@@ -243,6 +323,19 @@ static int64_t grain_rows(int64_t K, int64_t passes) {
     return work >= GRAIN_BLOCKS ? 1 : GRAIN_BLOCKS / work;
 }
 
+/*
+ * Rows a unit of parallel work for one token: N rows in SINGLE_CHUNKS units a thread where GRAIN_BLOCKS would
+ * make more. Each unit streams from memory as one sequential run, and the hardware prefetcher ramps up again at
+ * each one's start: a decode step's projections take 10-15% less time so (2 threads, Zen 3). Two a thread still
+ * let one thread take over what a descheduled other has not begun.
+ */
+enum { SINGLE_CHUNKS = 2 };
+static int64_t single_token_rows(int64_t N, int64_t K, int threads) {
+    const int64_t units = SINGLE_CHUNKS * (threads > 1 ? threads : 1), even = (N + units - 1) / units;
+    const int64_t least = grain_rows(K, 1);
+    return even > least ? even : least;
+}
+
 /* One row of K weights as float32, for dequantized_tiles.c. */
 static void dequantize_row(float *out, const uint8_t *row, int64_t K, int ggml_type) {
     const enum format format = format_of(ggml_type);
@@ -283,7 +376,8 @@ int quantized_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const flo
         }
     }
     linear_job job = {y, ldy_token, ldy_row, x, x_sums, ldx, w, bias, M, K, format};
-    parallel_for(N, grain_rows(K, (M + TOKENS - 1) / TOKENS), num_threads, linear_rows, &job);
+    const int64_t grain = M == 1 ? single_token_rows(N, K, num_threads) : grain_rows(K, (M + TOKENS - 1) / TOKENS);
+    parallel_for(N, grain, num_threads, linear_rows, &job);
     free(x_sums);
     return 0;
 }
