@@ -190,7 +190,13 @@ class ModelRunner(ShardRunner):
         self.group = model.group
 
     def pack(self, scheduled: list[ScheduledRequest]) -> HostBatch:
-        """Flat inputs for all scheduled requests; vectorised over tokens, a loop only over requests."""
+        """Flat inputs for all scheduled requests."""
+        if scheduled and all(s.num_new_tokens == 1 for s in scheduled):
+            return self._pack_decode(scheduled)
+        return self._pack_any(scheduled)
+
+    def _pack_any(self, scheduled: list[ScheduledRequest]) -> HostBatch:
+        """pack() for any step: vectorised over tokens, a loop only over requests."""
         requests = [s.request for s in scheduled]
         num_new = [s.num_new_tokens for s in scheduled]
         computed = [r.num_computed_tokens for r in requests]
@@ -214,6 +220,27 @@ class ModelRunner(ShardRunner):
             block_tables=block_tables,
             logits_indices=(query_start_loc[1:][[s.samples for s in scheduled]] - 1).long(),
             query_lens_host=num_new,
+            seq_lens_host=seq_lens,
+        )
+
+    def _pack_decode(self, scheduled: list[ScheduledRequest]) -> HostBatch:
+        """pack() for a step of one new token a request (decode): plain lists over the requests, then one tensor
+        a field. The general path's twenty-odd small tensor ops cost ~1 ms, a tenth of a one-sequence step."""
+        requests = [s.request for s in scheduled]
+        positions = [r.num_computed_tokens for r in requests]
+        tables = [self.kv.block_ids(r.request_id) for r in requests]
+        width = max(map(len, tables))
+        size = self.block_size
+        seq_lens = [position + 1 for position in positions]
+        return HostBatch(
+            input_ids=torch.tensor([r.all_token_ids[p] for r, p in zip(requests, positions)]),
+            positions=torch.tensor(positions),
+            slot_mapping=torch.tensor([t[p // size] * size + p % size for t, p in zip(tables, positions)]),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.arange(len(scheduled) + 1, dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            logits_indices=torch.tensor([i for i, s in enumerate(scheduled) if s.samples], dtype=torch.int64),
+            query_lens_host=[1] * len(scheduled),
             seq_lens_host=seq_lens,
         )
 
