@@ -202,9 +202,10 @@ class LoadSheddingMiddleware:
     """Answers generation requests 503 + Retry-After while the engine's waiting queue is full, before their
     bodies are parsed, templated or tokenized: under overload, refusing must cost next to nothing.
 
-    Each generation request reserves its place here (AsyncEngine.reserve_place), then yields once to the event
-    loop: in a burst, every request is admitted or refused before any admitted one parses its body, so the
-    refusals do not wait behind that work. The handler hands the reservation to generate(), which may still
+    Each generation request brings the place the protocol's door reserved as its headers were parsed
+    (server/door.py), or reserves it here (AsyncEngine.reserve_place), then yields once to the event loop: in a
+    burst, every request is admitted or refused before any admitted one parses its body, so the refusals do not
+    wait behind that work. The handler hands the reservation to generate(), which may still
     refuse the request (n places needed, not one); a request that never gets there gives its place back.
     """
 
