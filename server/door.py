@@ -10,7 +10,8 @@ handlers).
 
 The door only refuses what the app would refuse the same way, with the same answer, request-log line and HTTP
 metrics: a request it is unsure of (draining, an unauthorized key, a CORS origin whose headers the app adds)
-goes to the app, whose LoadSheddingMiddleware decides as before.
+goes to the app, whose LoadSheddingMiddleware decides as before. A middleware that changes what a refusal
+looks like (a header, a log field) must be mirrored here: tests/test_door.py compares the two answers.
 """
 
 from __future__ import annotations
