@@ -131,6 +131,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._stop_header_clock()
+        # The keep-alive timer is cancelled when data comes in, but an answer given at the door re-arms it
+        # mid-chunk: a request whose headers followed in the same chunk must not be cut off by it.
+        self._unset_keepalive_if_required()
         self._header_bytes = None
         if not self._answered_at_door():
             super().on_headers_complete()

@@ -35,19 +35,32 @@ class RawResponse:
 
 def read_response(sock: socket.socket) -> RawResponse:
     """One response with a Content-Length (what every non-streamed answer here has), leaving the connection open."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"the connection closed mid-response: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    status_line, *header_lines = head.decode("latin-1").split("\r\n")
-    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in header_lines)}
-    while len(body) < int(headers["content-length"]):
-        chunk = sock.recv(65536)
-        assert chunk, "the connection closed mid-body"
-        body += chunk
-    return RawResponse(int(status_line.split()[1]), headers, body)
+    (response,) = read_responses(sock, 1)
+    return response
+
+
+def read_responses(sock: socket.socket, count: int) -> list[RawResponse]:
+    """The next `count` responses, for pipelined requests: their bytes may come in one read."""
+    data, responses = b"", []
+    while len(responses) < count:
+        while b"\r\n\r\n" not in data:
+            data += _receive(sock, f"the connection closed mid-response: {data!r}")
+        head, _, data = data.partition(b"\r\n\r\n")
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in header_lines)}
+        length = int(headers["content-length"])
+        while len(data) < length:
+            data += _receive(sock, "the connection closed mid-body")
+        responses.append(RawResponse(int(status_line.split()[1]), headers, data[:length]))
+        data = data[length:]
+    assert not data, f"bytes past the last response: {data!r}"
+    return responses
+
+
+def _receive(sock: socket.socket, closed_message: str) -> bytes:
+    chunk = sock.recv(65536)
+    assert chunk, closed_message
+    return chunk
 
 
 def http_series(url: str) -> dict[tuple[str, str, str], float]:

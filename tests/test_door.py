@@ -5,6 +5,7 @@ always given back."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -13,6 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
+from uvicorn.server import ServerState
 
 from pagedserve.engine import EngineConfig, QueueFullError
 from pagedserve.engine.async_engine import AsyncEngine
@@ -22,7 +25,7 @@ from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.door import Door, Headers, Refusal
 from pagedserve.server.http_protocol import guarded_protocol
 from tests.background import BackgroundServer
-from tests.raw_http import connect, http_series, read_response, request_bytes
+from tests.raw_http import connect, http_series, read_response, read_responses, request_bytes
 from tests.servers import running_engine
 
 MODEL = "tiny"
@@ -134,9 +137,64 @@ def test_a_refused_requests_body_is_dropped_and_its_connection_serves_on(
         assert read_response(sock).status == 200
         # Pipelined: a refused request and the next one in one write.
         sock.sendall(request_bytes("POST", ROUTE, CHAT) + request_bytes("GET", "/v1/models"))
-        assert read_response(sock).status == 503
-        assert read_response(sock).json()["data"][0]["id"] == MODEL
+        refused, models = read_responses(sock, 2)
+        assert refused.status == 503 and models.json()["data"][0]["id"] == MODEL
     assert door.refused == refused_before + 2
+
+
+class RefuseEveryPost(Door):
+    def __init__(self) -> None:  # no engine: every POST is refused
+        pass
+
+    def admit(self, method: str, path: str, full_path: str, headers: Headers, state: dict[str, Any]) -> Refusal | None:
+        return Refusal(503, [(b"content-length", b"0")], b"") if method == "POST" else None
+
+
+class Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written, self.closed = b"", False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self.closed:  # a closed socket sends nothing more
+            self.written += bytes(data)
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 8000) if name in ("peername", "sockname") else default
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def test_a_request_behind_a_refusal_in_the_same_chunk_outlives_the_keep_alive_timeout() -> None:
+    """A refusal's end arms uvicorn's keep-alive timer mid-chunk; the request that follows must disarm it."""
+
+    async def slow_app(scope: dict, receive: Any, send: Any) -> None:
+        await asyncio.sleep(0.3)  # longer than the keep-alive timeout
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def serve() -> Transport:
+        config = uvicorn.Config(slow_app, http=guarded_protocol(10.0, 64, RefuseEveryPost()), timeout_keep_alive=0.1)
+        config.load()
+        protocol = config.http_protocol_class(config=config, server_state=ServerState(), app_state={})
+        transport = Transport()
+        protocol.connection_made(transport)
+        protocol.data_received(request_bytes("POST", ROUTE, b"{}") + request_bytes("GET", "/slow"))
+        await asyncio.sleep(0.6)  # the answer, then the idle connection's keep-alive timeout
+        return transport
+
+    transport = asyncio.run(serve())
+    assert transport.written.count(b"HTTP/1.1 ") == 2 and transport.written.endswith(b"ok")
 
 
 def test_requests_the_door_is_unsure_of_go_to_the_app(engine: AsyncEngine) -> None:
