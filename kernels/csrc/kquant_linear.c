@@ -232,9 +232,7 @@ static inline __attribute__((always_inline)) __m256 group_dot(const uint8_t *blo
         const __m256i value = _mm256_or_si256(low, _mm256_slli_epi32(fifth, 4));
         for (int k = 0; k < 4; ++k) q[k] = lane_bits(value, 8 * k, 8);
     }
-    __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(q[0]), _mm256_loadu_ps(xg));
-    for (int k = 1; k < 4; ++k) dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[k]), _mm256_loadu_ps(xg + 8 * k), dot);
-    return dot;
+    return dot_ints_avx2(q, xg);
 }
 
 /* row_single (below) for Q4_K or Q5_K. */
@@ -370,16 +368,6 @@ static int64_t grain_rows(int64_t K, int64_t passes) {
     return work >= GRAIN_WEIGHTS ? 1 : GRAIN_WEIGHTS / work;
 }
 
-/* Rows a unit of parallel work for one token: N rows in SINGLE_CHUNKS units a thread where GRAIN_WEIGHTS would
- * make more, for the reason quantized_linear.c gives (each unit a sequential run from memory, the prefetcher
- * ramping up at each one's start): 1.15-1.2x for a 1B model's Q4_K projections (2 threads, Zen 3). */
-enum { SINGLE_CHUNKS = 2 };
-static int64_t single_token_rows(int64_t N, int64_t K, int threads) {
-    const int64_t units = SINGLE_CHUNKS * (threads > 1 ? threads : 1), even = (N + units - 1) / units;
-    const int64_t least = grain_rows(K, 1);
-    return even > least ? even : least;
-}
-
 /*
  * y[m, n] = sum_k W[n, k] * x[m, k] + bias[n] (bias may be NULL), for m < M tokens and n < N rows, W in the
  * format of ggml type id `ggml_type` (Q4_K, Q5_K or Q6_K), N rows of K / 256 super-blocks each, contiguous.
@@ -407,7 +395,8 @@ int kquant_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float 
         x_sums[g] = horizontal_sum(load(xg) + load(xg + LANES) + load(xg + 2 * LANES) + load(xg + 3 * LANES));
     }
     linear_job job = {y, ldy_token, ldy_row, scratch, x_sums, K, w, bias, M, K, format};
-    const int64_t grain = M == 1 ? single_token_rows(N, K, num_threads) : grain_rows(K, (M + TOKENS - 1) / TOKENS);
+    const int64_t grain = M == 1 ? sequential_runs_grain(N, grain_rows(K, 1), num_threads)
+                                 : grain_rows(K, (M + TOKENS - 1) / TOKENS);
     parallel_for(N, grain, num_threads, linear_rows, &job);
     free(scratch);
     return 0;

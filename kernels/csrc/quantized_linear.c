@@ -25,7 +25,7 @@
  * which by then is in L1. A single token, which shares a dequantized block with nothing, takes the product
  * regrouped instead (row_single): the block's integers times x, scaled once per block; written in AVX2
  * intrinsics where the host has them, in the vector extensions elsewhere. Rows are split across threads (for a
- * single token, in two runs of rows a thread: single_token_rows).
+ * single token, in two runs of rows a thread: sequential_runs_grain).
  *
  * From TILE_TOKENS tokens the product goes by float32 tiles instead (dequantized_tiles.c): each weight is
  * dequantized once per block of tokens and serves them all from L1. dequantize_f32 writes W out in float32, a
@@ -195,9 +195,7 @@ static inline __attribute__((always_inline)) __m256 block_dot(const uint8_t *blo
         if (format == Q4_0)
             for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(8));
     }
-    __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(q[0]), _mm256_loadu_ps(xb));
-    for (int i = 1; i < 4; ++i) dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), _mm256_loadu_ps(xb + 8 * i), dot);
-    return dot;
+    return dot_ints_avx2(q, xb);
 }
 
 /*
@@ -323,19 +321,6 @@ static int64_t grain_rows(int64_t K, int64_t passes) {
     return work >= GRAIN_BLOCKS ? 1 : GRAIN_BLOCKS / work;
 }
 
-/*
- * Rows a unit of parallel work for one token: N rows in SINGLE_CHUNKS units a thread where GRAIN_BLOCKS would
- * make more. Each unit streams from memory as one sequential run, and the hardware prefetcher ramps up again at
- * each one's start: a decode step's projections take 10-15% less time so (2 threads, Zen 3). Two a thread still
- * let one thread take over what a descheduled other has not begun.
- */
-enum { SINGLE_CHUNKS = 2 };
-static int64_t single_token_rows(int64_t N, int64_t K, int threads) {
-    const int64_t units = SINGLE_CHUNKS * (threads > 1 ? threads : 1), even = (N + units - 1) / units;
-    const int64_t least = grain_rows(K, 1);
-    return even > least ? even : least;
-}
-
 /* One row of K weights as float32, for dequantized_tiles.c. */
 static void dequantize_row(float *out, const uint8_t *row, int64_t K, int ggml_type) {
     const enum format format = format_of(ggml_type);
@@ -376,7 +361,8 @@ int quantized_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const flo
         }
     }
     linear_job job = {y, ldy_token, ldy_row, x, x_sums, ldx, w, bias, M, K, format};
-    const int64_t grain = M == 1 ? single_token_rows(N, K, num_threads) : grain_rows(K, (M + TOKENS - 1) / TOKENS);
+    const int64_t grain = M == 1 ? sequential_runs_grain(N, grain_rows(K, 1), num_threads)
+                                 : grain_rows(K, (M + TOKENS - 1) / TOKENS);
     parallel_for(N, grain, num_threads, linear_rows, &job);
     free(x_sums);
     return 0;

@@ -69,4 +69,15 @@ static inline float exp_negative(float a) {
     return p * scale.value;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* q . x for 32 integers in four int32 vectors and 32 floats at any address, as eight partial sums. */
+static inline __m256 dot_ints_avx2(const __m256i q[4], const float *x) {
+    __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(q[0]), _mm256_loadu_ps(x));
+    for (int i = 1; i < 4; ++i) dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), _mm256_loadu_ps(x + 8 * i), dot);
+    return dot;
+}
+#endif
+
 #endif
