@@ -127,7 +127,7 @@ USER 10001:10001
 # the build instead of converting. The GGUF's mtime (part of the cache key) must survive a push and pull
 # (layers keep whole seconds).
 RUN HF_HUB_OFFLINE=1 python -m pagedserve.engine \
-    && python -c "from pagedserve.engine.loader import embedded_gguf_path as p; assert p().stat().st_mtime_ns % 10**9 == 0"
+    && python -c "from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path as p; assert p().stat().st_mtime_ns % 10**9 == 0"
 EXPOSE 8000
 # Liveness: /health is 200 while the engine core is alive (loading included); /ready is for readiness.
 # Set PAGEDSERVE_PORT (read only here) when CMD serves on another port.

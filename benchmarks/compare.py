@@ -87,7 +87,7 @@ import httpx
 # sets OMP_WAIT_POLICY=PASSIVE in this process (pagedserve's default), which the other servers must not inherit.
 USER_ENV = dict(os.environ)
 
-from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf  # noqa: E402 (after USER_ENV)
+from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, materialize_gguf  # noqa: E402 (after USER_ENV)
 from pagedserve.server.benchmark import BenchmarkConfig, run_benchmark_async  # noqa: E402
 
 SERVERS = ("pagedserve", "pagedserve-float32", "transformers", "llama.cpp")

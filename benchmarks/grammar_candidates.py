@@ -1406,7 +1406,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf
+    from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, materialize_gguf
 
     torch.set_num_threads(2)
     model_dir = materialize_gguf(embedded_gguf_path())

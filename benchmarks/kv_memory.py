@@ -23,9 +23,9 @@ if not __package__:  # run as a script: import the project, not benchmarks/kerne
 
 from benchmarks.workloads import filler_text, sharegpt_like_lengths
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.kv_cache_manager import KVCacheManager
-from pagedserve.engine.request import Request
-from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.scheduling.kv_cache_manager import KVCacheManager
+from pagedserve.engine.scheduling.request import Request
+from pagedserve.engine.scheduling.scheduler import Scheduler
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -36,7 +36,7 @@ def child(num_requests: int, output_len: int) -> None:
     from benchmarks.throughput import pagedserve_run
     from benchmarks.workloads import chat_prompts
     from pagedserve.engine import LLM
-    from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf
+    from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, materialize_gguf
 
     llm = LLM(model=str(materialize_gguf(embedded_gguf_path())), max_num_seqs=64, max_num_batched_tokens=2048)
     prompts = chat_prompts(llm.tokenizer, num_requests, 20, 400)

@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a file: import the project's packages, n
 
 import httpx
 
-from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.engine_args import add_engine_args, engine_config
 from pagedserve.server.logs import request_logger

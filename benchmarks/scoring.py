@@ -17,7 +17,7 @@ import httpx
 import torch
 import transformers
 
-from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.engine_args import add_engine_args, engine_config
 from tests.background import BackgroundServer

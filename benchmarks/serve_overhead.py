@@ -27,8 +27,8 @@ if __package__ in (None, ""):  # run as a file: import the project's packages, n
 
 import httpx
 
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.async_stream import EngineObserver
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.client.async_stream import EngineObserver
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.engine_args import add_engine_args, engine_config
 from tests.background import BackgroundServer

@@ -31,7 +31,7 @@ import httpx
 import psutil
 
 from benchmarks.hostile import ATTACKS
-from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.door import Door
 from pagedserve.server.engine_args import add_engine_args, engine_config

@@ -33,7 +33,7 @@ import json, sys, time
 if sys.argv[1] == "torch-first":
     import torch, transformers  # noqa: F401
 from pagedserve import LLM, SamplingParams
-from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf
+from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, materialize_gguf
 llm = LLM(model=str(materialize_gguf(embedded_gguf_path())), max_num_seqs=64)
 words = "the quick brown fox jumps over the lazy dog and runs far away into the woods".split()
 prompts = [llm.tokenizer.encode(" ".join(words[: 4 + i % 12]) + f" {i}") for i in range(64)]

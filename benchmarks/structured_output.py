@@ -46,8 +46,8 @@ if not __package__:  # run as a script: import the project, not benchmarks/kerne
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from pagedserve.engine import LLM, RequestOutput, SamplingParams, StructuredOutput
-from pagedserve.engine.core_messages import EngineSnapshot, Ready, Reply, StepOutput
-from pagedserve.engine.grammar import GrammarCompiler
+from pagedserve.engine.core.messages import EngineSnapshot, Ready, Reply, StepOutput
+from pagedserve.engine.structured.grammar import GrammarCompiler
 
 FORMAT_CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
 OVERHEAD_TARGET = 0.90

@@ -38,10 +38,10 @@ if not __package__:  # run as a script: import the project, not benchmarks/kerne
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedserve.engine.config import QUANTIZATIONS
-from pagedserve.engine.distributed.commands import Command, receive_command, send_command
-from pagedserve.engine.distributed.group import TensorParallelGroup
-from pagedserve.engine.distributed.rendezvous import Rendezvous, connect_store, join_group, open_master_store
-from pagedserve.engine.model_runner import HostBatch
+from pagedserve.engine.worker.distributed.commands import Command, receive_command, send_command
+from pagedserve.engine.worker.distributed.group import TensorParallelGroup
+from pagedserve.engine.worker.distributed.rendezvous import Rendezvous, connect_store, join_group, open_master_store
+from pagedserve.engine.worker.model_runner import HostBatch
 
 CPU = torch.device("cpu")
 
@@ -50,7 +50,7 @@ def smollm2_shaped_model(folder: Path) -> Path:
     """SmolLM2-135M's sizes, with heads that split over 2 and 3 ranks; config and tokenizer only."""
     import transformers
 
-    from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf
+    from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, materialize_gguf
 
     smol = materialize_gguf(embedded_gguf_path())
     config = transformers.AutoConfig.from_pretrained(smol)

@@ -27,7 +27,7 @@ if not __package__:  # run as a script: import the project, not benchmarks/kerne
 
 from benchmarks.workloads import chat_prompts
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.loader import embedded_gguf_path, iter_safetensors, materialize_gguf
+from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, iter_safetensors, materialize_gguf
 
 
 @dataclass

@@ -3,8 +3,8 @@ blocks) and prints its folder."""
 
 import logging
 
-from pagedserve.engine.gguf_weights import save_blocks_once
-from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf
+from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, materialize_gguf
+from pagedserve.engine.worker.weights.gguf import save_blocks_once
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 model_dir = materialize_gguf(embedded_gguf_path())

@@ -5,8 +5,9 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.server import chat, completions, openai_responses, routes
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.server.chat import handler as chat
+from pagedserve.server.completions import handler as completions
 from pagedserve.server.context import VERSION, ServerSettings, ServingContext
 from pagedserve.server.errors import install_error_handlers
 from pagedserve.server.metrics import ServerMetrics
@@ -17,6 +18,8 @@ from pagedserve.server.middleware import (
     LoadSheddingMiddleware,
     RequestContextMiddleware,
 )
+from pagedserve.server.responses import handler as responses
+from pagedserve.server.service import handler as service
 from pagedserve.server.web_page import page_paths, web_page_router
 
 
@@ -28,7 +31,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     engine.add_observer(metrics)
     app.state.serving = ServingContext(engine, settings, metrics)
     install_error_handlers(app)
-    for module in (chat, completions, openai_responses, routes):
+    for module in (chat, completions, responses, service):
         app.include_router(module.router)
     if settings.web_page:
         app.include_router(web_page_router())

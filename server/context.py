@@ -13,14 +13,14 @@ from importlib.metadata import version
 
 from fastapi import Request
 
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.async_stream import EngineUnavailableError
-from pagedserve.engine.loader import EMBEDDED_NAME
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.client.async_stream import EngineUnavailableError
+from pagedserve.engine.worker.weights.checkpoint import EMBEDDED_NAME
+from pagedserve.server.bodies import Envelope
 from pagedserve.server.errors import APIError, engine_unavailable
 from pagedserve.server.logprobs import TokenTexts
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.reasoning import reasoning_parser_for_template
-from pagedserve.server.responses import Envelope
 from pagedserve.server.tool_parsers import parser_for_template
 
 VERSION = version("pagedserve")

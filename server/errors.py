@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.engine import ContextLengthError, QueueFullError, SamplingParams
-from pagedserve.engine.async_stream import EngineUnavailableError, QueueTimeoutError, RequestTimeoutError
+from pagedserve.engine.client.async_stream import EngineUnavailableError, QueueTimeoutError, RequestTimeoutError
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from pagedserve.engine import CompletionOutput, QueueFullError, SamplingParams, SequenceDelta
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.async_stream import EngineUnavailableError, RequestStream, Reservation
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.client.async_stream import EngineUnavailableError, RequestStream, Reservation
 from pagedserve.server.errors import ClientDisconnected, server_error, to_api_error
 from pagedserve.server.logs import RequestRecord
 

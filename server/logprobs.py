@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedserve.engine import TokenLogprob
 from pagedserve.engine.outputs import PromptLogprobs
-from pagedserve.server.responses import (
+from pagedserve.server.bodies import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,

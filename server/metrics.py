@@ -14,8 +14,8 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from pagedserve.engine import SequenceDelta
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.async_stream import EngineObserver
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.client.async_stream import EngineObserver
 
 PREFIX = "pagedserve:"
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0)

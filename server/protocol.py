@@ -16,7 +16,7 @@ from pagedserve.engine.sampling_params import MAX_TOP_LOGPROBS
 from pagedserve.server import fields
 from pagedserve.server.errors import FieldError
 from pagedserve.server.fields import Refusal, refuse_unsupported
-from pagedserve.server.structured import ResponseFormat, VllmStructuredOutputs, constraints_given
+from pagedserve.server.response_format import ResponseFormat, VllmStructuredOutputs, constraints_given
 from pagedserve.server.tools import MAX_TOOLS, ToolChoice, ToolDefinition, ToolPlan, plan_tools
 
 MAX_STOP_STRINGS = 16

@@ -8,7 +8,7 @@ import types
 
 import uvicorn
 
-from pagedserve.engine.async_stream import EngineUnavailableError
+from pagedserve.engine.client.async_stream import EngineUnavailableError
 from pagedserve.server.context import ServingContext
 
 logger = logging.getLogger("pagedserve")

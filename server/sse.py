@@ -17,10 +17,10 @@ from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from pagedserve.engine import SequenceDelta
+from pagedserve.server.bodies import Usage
 from pagedserve.server.errors import as_api_error
 from pagedserve.server.generation import Streams, close_all, recorded
 from pagedserve.server.logs import RequestRecord
-from pagedserve.server.responses import Usage
 
 Event = dict[str, str]
 

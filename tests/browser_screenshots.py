@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.loader import EMBEDDED_NAME, embedded_gguf_path, materialize_gguf
-from pagedserve.engine.model_loader import load_model
+from pagedserve.engine.worker.model_loader import load_model
+from pagedserve.engine.worker.weights.checkpoint import EMBEDDED_NAME, embedded_gguf_path, materialize_gguf
 from pagedserve.server import ServerSettings
 from tests.browser import Browser, require_chromium
 from tests.servers import running_engine, serving

@@ -19,8 +19,8 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 import transformers
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.loader import embedded_gguf_path, materialize_gguf
-from pagedserve.engine.model_loader import LoadedModel, load_model
+from pagedserve.engine.worker.model_loader import LoadedModel, load_model
+from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, materialize_gguf
 
 TINY_COMMON = dict(
     hidden_size=64,

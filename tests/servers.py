@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import httpx
 
-from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.door import Door
 from pagedserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, guarded_protocol

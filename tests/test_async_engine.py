@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from pagedserve.engine import ContextLengthError, EngineConfig, LLMEngine, SamplingParams, SequenceDelta
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.async_stream import EngineUnavailableError
-from pagedserve.engine.model_loader import LoadedModel
-from pagedserve.engine.scheduler import QueueFullError
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.client.async_stream import EngineUnavailableError
+from pagedserve.engine.scheduling.scheduler import QueueFullError
+from pagedserve.engine.worker.model_loader import LoadedModel
 
 CONFIG = EngineConfig(num_kv_blocks=64, max_num_seqs=16, max_logprobs=5)
 PROMPT = "The capital of France is"

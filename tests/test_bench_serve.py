@@ -15,7 +15,7 @@ import pytest
 import transformers
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, cli
 from pagedserve.server.benchmark import BenchmarkConfig, run_benchmark, run_benchmark_async
 from pagedserve.server.benchmark.arrivals import inter_arrival_delays

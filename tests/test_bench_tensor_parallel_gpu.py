@@ -8,8 +8,8 @@ import pytest
 import transformers
 
 from benchmarks import tensor_parallel_gpu as bench
-from pagedserve.engine.models.spec import ModelSpec
-from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.engine.text.tokenizer import load_tokenizer
+from pagedserve.engine.worker.models.spec import ModelSpec
 
 
 def test_the_written_model_is_llama3_8b_shaped_and_splits_over_two(tmp_path: Path) -> None:

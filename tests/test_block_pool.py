@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
-from pagedserve.engine.kv_cache_manager import KVCacheManager
-from pagedserve.engine.request import Request
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduling.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from pagedserve.engine.scheduling.kv_cache_manager import KVCacheManager
+from pagedserve.engine.scheduling.request import Request
 
 
 def make_request(request_id: str, tokens: list[int]) -> Request:
@@ -80,7 +80,7 @@ def test_different_prefix_same_block_content_misses() -> None:
 
 
 def test_forced_hash_collision_is_harmless(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedserve.engine.kv_cache_manager as kvm
+    import pagedserve.engine.scheduling.kv_cache_manager as kvm
 
     monkeypatch.setattr(kvm, "hash_block", lambda parent, tokens, extra: b"same")
     manager = KVCacheManager(num_blocks=16, block_size=4)

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.conftest import TINY_COMMON
 

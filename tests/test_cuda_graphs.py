@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pagedserve.engine.cuda_graphs import DecodeBuffers, eager_capture, graph_batch_sizes
-from pagedserve.engine.model_runner import StepInputs
+from pagedserve.engine.worker.cuda_graphs import DecodeBuffers, eager_capture, graph_batch_sizes
+from pagedserve.engine.worker.model_runner import StepInputs
 from pagedserve.kernels import AttentionMetadata
 from tests.test_engine import run
 

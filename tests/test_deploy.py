@@ -563,7 +563,9 @@ def test_install_script_builds_a_working_environment(tmp_path: Path) -> None:
     run(sys.executable, "-m", "venv", venv)
     run("sh", source / "docker" / "install.sh", python, source)
     run(python, "-c", "import pagedserve.engine, pagedserve.server, pagedserve.kernels")
-    find_gguf = "from pagedserve.engine.loader import embedded_gguf_path; print(embedded_gguf_path())"
+    find_gguf = (
+        "from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path; print(embedded_gguf_path())"
+    )
     gguf = run(python, "-c", find_gguf).strip()
     assert Path(gguf).stat().st_mtime_ns % 10**9 == 0, "image layers keep whole seconds: the baked cache would miss"
     assert "serve" in run(venv / "bin" / "pagedserve", "serve", "--help")

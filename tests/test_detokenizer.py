@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.engine.model_loader import LoadedModel
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.text.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.worker.model_loader import LoadedModel
 
 
 @pytest.fixture(scope="module")

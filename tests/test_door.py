@@ -19,9 +19,9 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from pagedserve.engine import EngineConfig, QueueFullError
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.async_stream import Reservation
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.client.async_stream import Reservation
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.door import Door, Headers, Refusal
 from pagedserve.server.http_protocol import guarded_protocol

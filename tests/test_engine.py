@@ -6,9 +6,9 @@ import pytest
 
 from pagedserve.engine import LLM, ContextLengthError, SamplingParams
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.validation import check_request
+from pagedserve.engine.worker.model_loader import LoadedModel
 
 EOS = 2
 

@@ -12,7 +12,7 @@ import transformers
 
 from benchmarks.gpu_throughput import save_placeholder_tokenizer
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pagedserve.engine.models.layers import Linear
+from pagedserve.engine.worker.models.layers import Linear
 from pagedserve.kernels.device_blocks import DeviceQuantizedWeight
 from pagedserve.kernels.quantized_reference import dequantize, quantize
 from tests.test_engine import run

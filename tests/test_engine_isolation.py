@@ -6,8 +6,8 @@ import pytest
 
 from pagedserve.engine import SamplingParams
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.core.llm_engine import LLMEngine
+from pagedserve.engine.worker.model_loader import LoadedModel
 from tests.test_engine import prompt, run
 
 INNOCENT = {

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from pagedserve.engine import LLM, EngineConfig, SamplingParams
-from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.server import ServerSettings, create_app
 from tests.background import BackgroundServer
 from tests.servers import free_port, wait_ready

@@ -10,9 +10,9 @@ import transformers
 
 from pagedserve.engine import SamplingParams
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.model_loader import LoadedModel
-from pagedserve.engine.tokenizer import apply_chat_template
+from pagedserve.engine.core.llm_engine import LLMEngine
+from pagedserve.engine.text.tokenizer import apply_chat_template
+from pagedserve.engine.worker.model_loader import LoadedModel
 
 QUESTIONS = [
     "Hi!",

@@ -10,10 +10,10 @@ import torch
 
 from pagedserve.engine import SamplingParams
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.gguf_weights import BLOCKS_FILE, gguf_source, read_quantized_weights, stored_blocks
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.model_loader import LoadedModel, _formats_multiplied_here, load_model
-from pagedserve.engine.models.layers import Linear, QuantizedEmbedding
+from pagedserve.engine.core.llm_engine import LLMEngine
+from pagedserve.engine.worker.model_loader import LoadedModel, _formats_multiplied_here, load_model
+from pagedserve.engine.worker.models.layers import Linear, QuantizedEmbedding
+from pagedserve.engine.worker.weights.gguf import BLOCKS_FILE, gguf_source, read_quantized_weights, stored_blocks
 from pagedserve.kernels.quantized import FORMATS, dequantize, quantize
 from tests.test_engine import run
 

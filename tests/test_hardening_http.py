@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, cli
 from tests.raw_http import RawResponse, connect, http_series, read_response, request_bytes
 from tests.servers import free_port, running_engine, serving, wait_ready

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
 from pagedserve.server.protocol import MAX_STOP_TOKEN_IDS
 from tests.servers import served_engine

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pagedserve.engine.worker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagedserve.kernels.backend import KernelBackend, rms_norm, rotate_half
 from pagedserve.kernels.cpu_backend import TRANSPOSED_GEMM_MAX_ROWS, CpuBackend
 from pagedserve.kernels.cpu_layer_ops import LayerOps, layer_ops

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine.loader import embedded_gguf_path
+from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path
 from pagedserve.kernels import quantized
 from pagedserve.kernels.quantized import (
     QuantizedWeight,

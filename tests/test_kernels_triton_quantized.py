@@ -17,7 +17,7 @@ import torch
 # Without a GPU the kernels run in Triton's interpreter; this must precede triton's first import.
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
-from pagedserve.engine.models.layers import Linear
+from pagedserve.engine.worker.models.layers import Linear
 from pagedserve.kernels.block_formats import FORMATS, QuantizedWeight
 from pagedserve.kernels.cpu_backend import CpuBackend
 from pagedserve.kernels.device_blocks import DeviceQuantizedWeight, pack_for_device

@@ -18,9 +18,9 @@ import transformers
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.gguf_weights import PART_MODULES, gguf_source, read_quantized_weights
-from pagedserve.engine.model_loader import LoadedModel, load_model
-from pagedserve.engine.models.layers import Linear
+from pagedserve.engine.worker.model_loader import LoadedModel, load_model
+from pagedserve.engine.worker.models.layers import Linear
+from pagedserve.engine.worker.weights.gguf import PART_MODULES, gguf_source, read_quantized_weights
 from pagedserve.kernels import quantized
 from pagedserve.kernels.quantized import (
     FORMATS,
@@ -268,7 +268,7 @@ def test_the_file_is_read_in_its_stored_formats(
     stored, dequantized = stored_and_float
     source = gguf_source(dequantized.model_dir)
     assert source is not None
-    with caplog.at_level(logging.INFO, logger="pagedserve.engine.gguf_weights"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.worker.weights.gguf"):
         weights = read_quantized_weights(source, dequantized.spec)
     assert {name: weight.qtype for name, weight in weights.items()} == EXPECTED_QTYPES
     [line] = [r.getMessage() for r in caplog.records if "stay dequantized" in r.getMessage()]

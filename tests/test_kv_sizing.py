@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-import pagedserve.engine.profiling as profiling
+import pagedserve.engine.worker.profiling as profiling
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.kv_sizing import (
+from pagedserve.engine.worker.kv_sizing import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     MAX_DEFAULT_MODEL_LEN,
     KVCachePlan,
@@ -21,8 +21,8 @@ from pagedserve.engine.kv_sizing import (
     plan_kv_cache,
     resolve_max_model_len,
 )
-from pagedserve.engine.model_runner import allocate_kv_caches
-from pagedserve.engine.models import ModelSpec
+from pagedserve.engine.worker.model_runner import allocate_kv_caches
+from pagedserve.engine.worker.models import ModelSpec
 
 SPEC = ModelSpec(
     architecture="LlamaForCausalLM",

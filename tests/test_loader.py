@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.loader import iter_safetensors, materialize_gguf, resolve_model_dir
+from pagedserve.engine.worker.weights.checkpoint import iter_safetensors, materialize_gguf, resolve_model_dir
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path, tiny_model_dir) -> None:

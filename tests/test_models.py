@@ -10,9 +10,9 @@ import torch
 import transformers
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.model_loader import load_model
-from pagedserve.engine.model_runner import allocate_kv_caches
-from pagedserve.engine.models import ModelSpec
+from pagedserve.engine.worker.model_loader import load_model
+from pagedserve.engine.worker.model_runner import allocate_kv_caches
+from pagedserve.engine.worker.models import ModelSpec
 from pagedserve.kernels import AttentionMetadata
 
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.parallel_sampling import (
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduling.parallel_sampling import (
     PendingForks,
     RequestGroups,
     expand_logits,
     make_samples,
     sibling_rows,
 )
-from pagedserve.engine.request import Request
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduling.request import Request
 
 
 def samples(request_id: str, n: int, seed: int | None = None) -> list[Request]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-import pagedserve.engine.kv_cache_manager as kv_module
+import pagedserve.engine.scheduling.kv_cache_manager as kv_module
 from pagedserve.engine import SamplingParams
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.validation import check_request
+from pagedserve.engine.worker.model_loader import LoadedModel
 from tests.test_block_pool import assert_pool_consistent
 from tests.test_engine import prompt, run
 

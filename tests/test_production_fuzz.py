@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 from pagedserve.engine import EngineConfig, LLMEngine
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, create_app
 from tests.servers import served_engine
 

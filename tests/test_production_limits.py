@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, cli
 from pagedserve.server.logs import JsonFormatter
 from tests.servers import running_engine, serving

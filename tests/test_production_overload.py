@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
 from tests.servers import served_engine
 

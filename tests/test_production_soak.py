@@ -15,8 +15,8 @@ import pytest
 
 from benchmarks.soak import MODEL, soak
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
 from tests.servers import running_engine, serving
 

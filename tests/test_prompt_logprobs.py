@@ -14,8 +14,8 @@ import transformers
 
 from pagedserve.engine import SamplingParams
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.core.llm_engine import LLMEngine
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
 from tests.servers import served_engine
 from tests.test_engine import run

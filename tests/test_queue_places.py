@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.engine import QueueFullError
-from pagedserve.engine.async_stream import QueuePlaces
+from pagedserve.engine.client.async_stream import QueuePlaces
 
 
 def test_reservations_count_against_the_limit() -> None:

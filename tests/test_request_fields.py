@@ -13,8 +13,8 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.model_loader import LoadedModel
-from pagedserve.engine.tokenizer import apply_chat_template
+from pagedserve.engine.text.tokenizer import apply_chat_template
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, fields
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.servers import served_engine

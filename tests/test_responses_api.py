@@ -13,12 +13,12 @@ import pytest
 from openai.types.responses import response_create_params
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.async_stream import EngineUnavailableError
-from pagedserve.engine.model_loader import LoadedModel
-from pagedserve.engine.tokenizer import apply_chat_template
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.client.async_stream import EngineUnavailableError
+from pagedserve.engine.text.tokenizer import apply_chat_template
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
-from pagedserve.server.responses_protocol import RESPONSES, RESPONSES_ACCEPTED, ResponsesRequest
+from pagedserve.server.responses.protocol import RESPONSES, RESPONSES_ACCEPTED, ResponsesRequest
 from tests.servers import running_engine, serving
 from tests.test_server_errors import assert_error
 

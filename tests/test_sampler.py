@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from pagedserve.engine.request import Request
-from pagedserve.engine.sampler import Sampler, apply_logit_processors
+from pagedserve.engine.core.sampler import Sampler, apply_logit_processors
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduling.request import Request
 
 VOCAB = 8
 

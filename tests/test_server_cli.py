@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from pagedserve.engine import LLM, EngineConfig
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import cli, offline
 from pagedserve.server.engine_args import engine_config
 

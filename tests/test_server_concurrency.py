@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
 from tests.servers import running_engine, serving
 

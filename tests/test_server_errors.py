@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
 from tests.servers import running_engine, serving
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from pagedserve.engine import EngineConfig, LLMEngine, SequenceDelta
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import create_app
 from pagedserve.server.context import ServingContext
 from tests.background import BackgroundServer

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.client.async_engine import AsyncEngine
 from tests.test_server import (  # noqa: F401  (collected here; url and client stand on this module's engine)
     client,
     test_chat_completion,

@@ -17,7 +17,7 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
 from tests.servers import served_engine
 

@@ -15,8 +15,8 @@ from transformers import PreTrainedTokenizerBase
 
 from benchmarks.structured_output import CORPUS, FORMAT_CHECKER, Case
 from pagedserve.engine import StructuredOutput
-from pagedserve.engine.grammar import GrammarCompiler
-from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.engine.structured.grammar import GrammarCompiler
+from pagedserve.engine.text.tokenizer import load_tokenizer
 
 VOCAB_SIZE = 49152
 

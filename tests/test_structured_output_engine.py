@@ -13,9 +13,9 @@ import pytest
 
 from pagedserve.engine import SamplingParams, StructuredOutput
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.grammar import GrammarCompiler
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.core.llm_engine import LLMEngine
+from pagedserve.engine.structured.grammar import GrammarCompiler
+from pagedserve.engine.worker.model_loader import LoadedModel
 from tests.test_engine import prompt, run
 
 PERSON = {

@@ -24,9 +24,9 @@ import torch
 import transformers
 
 from pagedserve.engine import LLM, EngineConfig, EngineUnavailableError, SamplingParams
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.models import ModelSpec
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.core.llm_engine import LLMEngine
+from pagedserve.engine.worker.models import ModelSpec
 from tests.servers import free_port, wait_ready
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -36,7 +36,9 @@ STARTUP_SECONDS = 180
 
 def worker_processes() -> list[psutil.Process]:
     """Every tensor-parallel rank process below this one (rank 0 may be a core process in between)."""
-    return [p for p in psutil.Process().children(recursive=True) if "pagedserve.engine.distributed.worker" in _cmd(p)]
+    return [
+        p for p in psutil.Process().children(recursive=True) if "pagedserve.engine.worker.distributed.worker" in _cmd(p)
+    ]
 
 
 def _cmd(process: psutil.Process) -> str:

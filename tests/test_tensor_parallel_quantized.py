@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine.block_shards import read_shard
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.distributed.group import Collectives, TensorParallelGroup
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.model_loader import LoadedModel, load_model
-from pagedserve.engine.models import LlamaForCausalLM
-from pagedserve.engine.models.layers import Linear, QuantizedEmbedding, RowParallelLinear
+from pagedserve.engine.core.llm_engine import LLMEngine
+from pagedserve.engine.worker.distributed.group import Collectives, TensorParallelGroup
+from pagedserve.engine.worker.model_loader import LoadedModel, load_model
+from pagedserve.engine.worker.models import LlamaForCausalLM
+from pagedserve.engine.worker.models.layers import Linear, QuantizedEmbedding, RowParallelLinear
+from pagedserve.engine.worker.weights.block_shards import read_shard
 from pagedserve.kernels.quantized import dequantize, quantize
 from tests.test_kquants import write_tiny_gguf
 from tests.test_tensor_parallel import (
@@ -142,7 +142,7 @@ def test_k_quant_ranks_keep_their_blocks_and_slices_off_blocks_stay_float(
 ) -> None:
     """Over 2 ranks o_proj's 128 columns a rank are half a 256-weight block: it stays float (the file's values,
     dequantized), named in one log line; down_proj's 256 columns split, and so do the mixed-type rows."""
-    with caplog.at_level(logging.INFO, logger="pagedserve.engine.gguf_weights"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.worker.weights.gguf"):
         ranks = load_ranks(2, model=str(tiny_q4_k_m))
     whole = load_model(EngineConfig(model=str(tiny_q4_k_m))).model
     expected_blocks = in_blocks(whole) - {"layers.0.self_attn.o_proj"}  # layers.1's o_proj is Q5_0: float anyway
@@ -183,7 +183,7 @@ def test_quantized_on_load_ranks_round_off_block_slices_as_the_whole_model(
     dequantized; down_proj (128 columns in all) is float at TP=1 too; the rest splits in blocks."""
     folder = str(tiny_model_dir("llama-hd64"))
     whole = load_model(EngineConfig(model=folder, quantization="q4_k")).model
-    with caplog.at_level(logging.INFO, logger="pagedserve.engine.on_load_quantization"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.worker.weights.on_load_quantization"):
         ranks = load_ranks(2, model=folder, quantization="q4_k")
     assert any(
         "layers.1.self_attn.o_proj" in r.getMessage() and "rank 1 of 2" in r.getMessage() for r in caplog.records

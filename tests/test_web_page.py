@@ -13,8 +13,8 @@ import pytest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.model_loader import LoadedModel
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.cli import build_parser
 from tests.background import BackgroundServer

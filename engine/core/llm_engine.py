@@ -1,0 +1,429 @@
+"""LLMEngine: requests in, per-step token deltas out. Synchronous; the engine core (engine/core.py) drives it."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.engine import openmp_policy
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.messages import EngineSnapshot
+from pagedserve.engine.core.sampler import Sampler
+from pagedserve.engine.outputs import PromptLogprobs, RequestMetrics, SequenceDelta, TokenLogprob
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduling.kv_cache_manager import KVCacheManager
+from pagedserve.engine.scheduling.parallel_sampling import RequestGroups, expand_logits, make_samples, sibling_rows
+from pagedserve.engine.scheduling.request import Request, RequestStatus
+from pagedserve.engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from pagedserve.engine.structured.constraints import Constraints
+from pagedserve.engine.text.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.validation import RequestLimits
+from pagedserve.engine.worker.cuda_graphs import cuda_graph_capture, graph_batch_sizes
+from pagedserve.engine.worker.distributed.launcher import TensorParallelWorkers, threads_per_rank
+from pagedserve.engine.worker.distributed.liveness import RankLostError
+from pagedserve.engine.worker.kv_sizing import plan_kv_cache
+from pagedserve.engine.worker.model_loader import LoadedModel, load_model, resolve_device
+from pagedserve.engine.worker.model_runner import ModelRunner, allocate_kv_caches
+
+logger = logging.getLogger(__name__)
+Sampled = tuple[int, TokenLogprob | None]  # a sequence's next token, and its logprobs when asked for
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters for metrics and benchmarks."""
+
+    num_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    step_seconds: float = 0.0
+    peak_kv_tokens: int = 0  # tokens held in KV at the fullest step
+    peak_kv_slots: int = 0  # block slots allocated at that step
+    peak_running: int = 0
+    forward_seconds: float = 0.0  # in the model's forward; filled by collect_stats from the runner's clock
+    communication_seconds: float = 0.0  # rank 0's time in tensor-parallel collectives (inside forward_seconds)
+    tensor_parallel_size: int = 1
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        """With tensor_parallel_size N > 1 this is rank 0: it starts ranks 1..N-1 and drives them each step;
+        close() ends them."""
+        self.config = config or EngineConfig()
+        self.workers: TensorParallelWorkers | None = None
+        if self.config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("a model loaded in this process cannot be split: use tensor_parallel_size 1")
+            self.workers = TensorParallelWorkers.start(self.config, resolve_device(self.config.device))
+        try:
+            self._build(loaded)
+        except BaseException as exc:
+            lost = None if self.workers is None else self.workers.monitor.failure
+            self.close()
+            if lost is not None:  # the rank's death says more than the collective that failed after it
+                raise RankLostError(lost) from exc
+            raise
+
+    def _build(self, loaded: LoadedModel | None) -> None:
+        workers = self.workers
+        self.loaded = loaded or (
+            load_model(self.config) if workers is None else load_model(self.config, workers.group, workers.check)
+        )
+        openmp_policy.warn_if_set_too_late(self.loaded.device.type)
+        threads = threads_per_rank(self.config, self.loaded.device)
+        if threads:
+            torch.set_num_threads(threads)
+        self.tokenizer = self.loaded.tokenizer
+        plan = plan_kv_cache(self.config, self.loaded)
+        self.max_model_len = plan.max_model_len
+        self.limits = RequestLimits(
+            max_model_len=plan.max_model_len,
+            vocab_size=self.loaded.spec.vocab_size,
+            max_n=self.config.max_n,
+            max_num_seqs=self.config.max_num_seqs,
+            max_logprobs=self.config.max_logprobs,
+            max_queue_len=self.config.max_queue_len,
+        )
+        identity = f"{self.loaded.model_dir}:{self.loaded.dtype}".encode()
+        self.kv = KVCacheManager(
+            plan.num_blocks,
+            plan.block_size,
+            self.config.enable_prefix_caching,
+            hashlib.sha256(identity).digest(),
+        )
+        if self.workers is not None:
+            self.workers.allocate(plan.num_blocks, plan.block_size)
+        caches = allocate_kv_caches(
+            self.loaded.rank_spec, plan.num_blocks, plan.block_size, self.loaded.dtype, self.loaded.device
+        )
+        self.runner = ModelRunner(self.loaded.model, self.loaded.backend, self.kv, caches, self.loaded.device)
+        if self._use_cuda_graphs():
+            sizes = graph_batch_sizes(self.config.max_num_seqs)
+            if self.workers is not None:
+                self.workers.capture(sizes, self.max_model_len)
+            self.runner.capture_decode_graphs(sizes, self.max_model_len, cuda_graph_capture())
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            max_queue_len=self.config.max_queue_len,
+        )
+        self.sampler = Sampler()
+        self.constraints = Constraints(
+            self.tokenizer, self.loaded.spec.vocab_size, self.loaded.eos_token_ids, self.config.jump_forward
+        )
+        self.stats = EngineStats()
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._children = RequestGroups()  # caller's id -> ids of its n sequences
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
+            plan.num_blocks,
+            plan.block_size,
+            plan.num_tokens,
+            plan.max_model_len,
+        )
+
+    def _use_cuda_graphs(self) -> bool:
+        if self.loaded.device.type != "cuda" or self.config.enforce_eager:
+            return False
+        if not self.loaded.backend.supports_cuda_graphs:
+            logger.info("CUDA graphs off: the %s attention backend cannot be recorded", self.loaded.backend.name)
+            return False
+        return True
+
+    # ---- requests in -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues a request (its n samples together). It must have passed check_request(self.limits, ...)
+        (engine/validation.py): the engine's public API (AsyncEngine, LLM) checks every request once."""
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        children = make_samples(
+            request_id,
+            token_ids,
+            params,
+            max_tokens=max_tokens,
+            eos_token_ids=self.loaded.eos_token_ids,
+            arrival_time=arrival_time,
+        )
+        self.constraints.attach(children)
+        self.scheduler.add_requests(children)
+        self._children.add(request_id, children)
+        if params.detokenize:
+            backend_tokenizer = self.tokenizer.backend_tokenizer
+            for child in children:
+                self._detokenizers[child.request_id] = IncrementalDetokenizer(backend_tokenizer, token_ids, params)
+
+    def abort_request(self, request_id: str) -> list[SequenceDelta]:
+        """Ends every sequence of a request; returns their final deltas (finish_reason "abort")."""
+        return self._finish_group(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._children)
+
+    def request_ids(self) -> list[str]:
+        """The callers' ids of every unfinished request."""
+        return list(self._children)
+
+    def waiting_request_ids(self) -> set[str]:
+        """Callers' ids of requests never scheduled yet (preempted ones were admitted once: not these)."""
+        return {r.parent_id for r in self.scheduler.waiting if r.status is RequestStatus.WAITING}
+
+    @property
+    def num_tokens_processed(self) -> int:
+        return self.runner.num_tokens_processed
+
+    def snapshot(self) -> EngineSnapshot:
+        constraints = self.constraints.stats()
+        return EngineSnapshot(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_unfinished=len(self._children),
+            queue_capacity=self.scheduler.queue_capacity(),
+            kv_cache_usage=self.kv.usage(),
+            num_free_blocks=self.kv.pool.num_free,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            constrained_requests=constraints.num_requests,
+            grammar_compile_seconds=constraints.compile_seconds,
+            grammar_mask_seconds=constraints.mask_seconds,
+            grammar_mask_wait_seconds=constraints.mask_wait_seconds,
+            jump_forward_tokens=constraints.num_jumped_tokens,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            communication_seconds=0.0 if self.loaded.group is None else self.loaded.group.comm_seconds,
+        )
+
+    def collect_stats(self, reset: bool = False) -> EngineStats:
+        group = self.loaded.group
+        stats = dataclasses.replace(
+            self.stats,
+            forward_seconds=self.runner.forward_seconds,
+            communication_seconds=0.0 if group is None else group.comm_seconds,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+        )
+        if reset:
+            self.stats = EngineStats()
+            self.runner.forward_seconds = 0.0
+            if group is not None:
+                group.comm_seconds = 0.0
+        return stats
+
+    def check_health(self) -> None:
+        """Raises RankLostError once a tensor-parallel rank has died or hung (nothing to check otherwise)."""
+        if self.workers is not None:
+            self.workers.check()
+
+    @property
+    def health_check_seconds(self) -> float | None:
+        """How often an idle engine should check_health(); None: never needed (nothing runs beside it)."""
+        return None if self.workers is None else 1.0
+
+    def close(self) -> None:
+        """Ends the tensor-parallel ranks (nothing else holds resources beyond this object)."""
+        if self.workers is not None:
+            self.workers.stop()
+            self.workers = None
+
+    # ---- one step ----------------------------------------------------------------------------------
+
+    def step(self) -> list[SequenceDelta]:
+        """One forward pass and its tokens. A request whose sampling or detokenization fails is failed alone
+        (its blocks freed); the others carry on with the tokens they would have had without it."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return self._errors_for_stuck_requests()
+        sampling, rows = sibling_rows([s.request for s in out.scheduled if s.samples], self.scheduler.forks)
+        masks = self.constraints.start(sampling)  # filled while the forward runs
+        try:
+            logits = self.runner.execute(out.scheduled, self.kv.take_pending_copies())
+        except Exception as exc:  # a failed forward fails its requests, not the engine
+            if self.workers is not None:  # unless the ranks may be out of step: then nothing can run
+                raise self.workers.lost(exc) from exc
+            self.constraints.discard(masks)
+            logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
+            ids = {s.request.parent_id for s in out.scheduled}
+            return [d for rid in ids for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, str(exc))]
+        for item in out.scheduled if logits.prompt_logprobs else ():
+            item.request.prompt_logprobs += logits.prompt_logprobs.get(item.request.request_id, [])
+        sampled, failed = self._sample(sampling, self.constraints.mask(expand_logits(logits.sampling, rows), masks))
+        tokens = {rid: token for rid, (token, _) in sampled.items()}
+        failed |= self.constraints.consume(sampling, tokens)
+        deltas = [d for rid, why in failed.items() for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, why)]
+        progressed = self.scheduler.update(out, tokens)
+        jumped = self.constraints.settle(progressed, self.scheduler)
+        num_new = {r.request_id: 1 + len(jumped.get(r.request_id, ())) for r in progressed}
+        for request in progressed:
+            deltas += self._delta_or_failure(request, sampled[request.request_id][1], num_new[request.request_id])
+        deltas += self._finish_prompt_only(out)
+        self._record_step(progressed, num_new, start)
+        return deltas
+
+    def _sample(self, sampling: list[Request], logits: torch.Tensor) -> tuple[dict[str, Sampled], dict[str, str]]:
+        """The sampled token of each sequence (a row of `logits` each), and the callers' ids of requests whose
+        sampling failed (why).
+
+        The batch is sampled at once; if that raises, row by row from the same logits, with the seeded
+        generators rewound, so the rows that do not fail draw exactly what they would have in the batch.
+        """
+        if not sampling:
+            return {}, {}
+        rewind = [(r.generator, r.generator.get_state()) for r in sampling if r.generator is not None]
+        try:
+            result = self.sampler(logits, sampling)
+            return {r.request_id: (t, lp) for r, t, lp in zip(sampling, result.token_ids, result.logprobs)}, {}
+        except Exception:
+            logger.exception("sampling a batch of %d sequences failed; sampling them one by one", len(sampling))
+        for generator, state in rewind:
+            generator.set_state(state)
+        sampled: dict[str, Sampled] = {}
+        failed: dict[str, str] = {}
+        for row, request in enumerate(sampling):
+            try:
+                alone = self.sampler(logits[row : row + 1], [request])
+            except Exception as exc:
+                logger.error("request %s: sampling failed (%r); failing it", request.parent_id, exc)
+                failed[request.parent_id] = f"sampling failed: {exc}"
+                continue
+            sampled[request.request_id] = (alone.token_ids[0], alone.logprobs[0])
+        return sampled, failed
+
+    def _finish_prompt_only(self, out: SchedulerOutput) -> list[SequenceDelta]:
+        """Requests with max_tokens 0 end once their prompt is computed (scored), with no token."""
+        deltas = []
+        for item in out.scheduled:
+            request = item.request
+            if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+                deltas.append(self._final_delta(request, None))
+        return deltas
+
+    def _delta_or_failure(self, request: Request, logprob: TokenLogprob | None, num_new: int) -> list[SequenceDelta]:
+        """The sequence's delta for this step (its `num_new` last tokens); if building it fails
+        (detokenization), its request's end."""
+        try:
+            return [self._delta(request, logprob, num_new)]
+        except Exception as exc:
+            logger.exception("request %s: detokenization failed; failing it", request.parent_id)
+            why = f"detokenization failed: {exc}"
+            self._detokenizers.pop(request.request_id, None)
+            ended = []
+            if request.is_finished:  # the scheduler ended it this step: _finish_group would no longer find it
+                request.status = RequestStatus.FINISHED_ERROR
+                ended.append(self._final_delta(request, why))
+            return ended + self._finish_group(request.parent_id, RequestStatus.FINISHED_ERROR, why)
+
+    def _delta(self, request: Request, logprob: TokenLogprob | None, num_new: int) -> SequenceDelta:
+        if request.times.first_token is None:
+            request.times.first_token = time.monotonic()
+        new_tokens = request.output_token_ids[-num_new:]
+        text, stop_string = "", None
+        detokenizer = self._detokenizers.get(request.request_id)
+        if detokenizer is not None:
+            text, stop_string = detokenizer.update(new_tokens)
+        if stop_string is not None and not request.is_finished:
+            request.stop_reason = stop_string
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif request.is_finished and detokenizer is not None:
+            text += detokenizer.flush()
+        delta = SequenceDelta(
+            request_id=request.parent_id,
+            index=request.index,
+            new_token_ids=new_tokens,
+            new_text=text,
+            new_logprobs=None if logprob is None else [logprob],
+            prompt_logprobs=_prompt_logprobs(request) if request.num_output_tokens == num_new else None,
+        )
+        if request.is_finished:
+            self._complete(request, delta)
+        return delta
+
+    def _complete(self, request: Request, delta: SequenceDelta, error: str | None = None) -> None:
+        """Fills the finishing fields of `delta` and forgets the sequence."""
+        times = request.times
+        delta.finish_reason = request.status.value
+        delta.stop_reason = request.stop_reason
+        delta.num_prompt_tokens = request.num_prompt_tokens
+        delta.num_cached_tokens = request.num_cached_tokens
+        delta.num_output_tokens = request.num_output_tokens
+        delta.error = error
+        delta.metrics = RequestMetrics(
+            arrival_time=times.arrival,
+            queue_time=None if times.first_scheduled is None else times.first_scheduled - times.arrival,
+            time_to_first_token=None if times.first_token is None else times.first_token - times.arrival,
+            e2e_latency=(times.finished or time.monotonic()) - times.arrival,
+            num_preemptions=request.num_preemptions,
+        )
+        self._detokenizers.pop(request.request_id, None)
+        self._children.discard(request)
+
+    def _finish_group(self, request_id: str, status: RequestStatus, error: str | None = None) -> list[SequenceDelta]:
+        deltas = []
+        for child_id in self._children.members(request_id):
+            request = self.scheduler.finish(child_id, status)
+            if request is not None:
+                deltas.append(self._final_delta(request, error))
+        return deltas
+
+    def _final_delta(self, request: Request, error: str | None) -> SequenceDelta:
+        """The last delta of a sequence ended outside the sampling path (abort, error): held-back text only."""
+        detokenizer = self._detokenizers.get(request.request_id)
+        delta = SequenceDelta(request.parent_id, request.index, [], detokenizer.flush() if detokenizer else "")
+        if request.num_output_tokens == 0 and error is None:
+            delta.prompt_logprobs = _prompt_logprobs(request)
+        self._complete(request, delta, error)
+        return delta
+
+    def _errors_for_stuck_requests(self) -> list[SequenceDelta]:
+        """Nothing could be scheduled although requests wait: fail the head of the queue, not the engine."""
+        if not self.scheduler.waiting or self.scheduler.running:
+            return []
+        head = self.scheduler.waiting[0]
+        logger.error("request %s cannot fit the KV cache; failing it", head.request_id)
+        return self._finish_group(head.parent_id, RequestStatus.FINISHED_ERROR, "the request does not fit the KV cache")
+
+    def _record_step(self, progressed: list[Request], num_new: dict[str, int], start: float) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        stats.step_seconds += time.perf_counter() - start
+        stats.generation_tokens += sum(num_new.values())
+        # A prompt counts once: at its first tokens (not again after a preemption), not per parallel sample.
+        stats.prompt_tokens += sum(
+            r.num_prompt_tokens for r in progressed if r.num_output_tokens == num_new[r.request_id] and r.index == 0
+        )
+        stats.peak_running = max(stats.peak_running, self.scheduler.num_running)
+        slots = (self.kv.num_blocks - self.kv.pool.num_free) * self.kv.block_size
+        if slots > stats.peak_kv_slots:
+            stats.peak_kv_slots = slots
+            stats.peak_kv_tokens = self.kv.num_stored_tokens(self.scheduler.running)
+
+    # ---- convenience -------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
+
+
+def _prompt_logprobs(request: Request) -> PromptLogprobs | None:
+    """The request's prompt logprobs in full (the first token has none), once its prompt is computed."""
+    if request.params.prompt_logprobs is None or len(request.prompt_logprobs) < request.num_prompt_tokens - 1:
+        return None
+    return [None, *request.prompt_logprobs]

@@ -1,0 +1,233 @@
+"""How the engine core travels: on a thread beside the caller, or in a process of its own.
+
+A process of its own is the default for servers and the offline API: the core's Python no longer shares a
+GIL with HTTP and tokenization, and it starts with its own thread settings (OMP_WAIT_POLICY=PASSIVE before
+torch loads) whatever its caller imported first. It is started with `python -m` rather than
+multiprocessing, so it never re-imports the caller's main module, and it talks over a socketpair with
+pickled messages (engine/core_messages.py). Either side going away ends the other: the core exits when its
+socket closes, and the caller's receive() raises CoreGone when the core's does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import logging.handlers
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.messages import Command, CoreMessage, LogRecord, Shutdown
+
+if TYPE_CHECKING:
+    from pagedserve.engine.core.llm_engine import LLMEngine
+    from pagedserve.engine.worker.model_loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+class CoreGone(RuntimeError):
+    """The core ended without a word (its process exited or was killed, or its thread ended)."""
+
+
+class CoreConnection(ABC):
+    """The caller's end of an engine core: commands go in, CoreMessages come out, in order."""
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def send(self, command: Command) -> None:
+        """Thread-safe; a core that is gone drops the command (receive() reports its end)."""
+
+    @abstractmethod
+    def receive(self) -> CoreMessage:
+        """Blocks for the next message; raises CoreGone once the core has ended."""
+
+    @abstractmethod
+    def join(self, timeout: float) -> None:
+        """Waits for the core to end (after a Shutdown), then ends it by force."""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Aborts what the core runs, ends it and waits (up to `timeout`, then by force)."""
+        self.send(Shutdown())
+        self.join(timeout)
+
+
+def connect_core(config: EngineConfig, loaded: LoadedModel | None = None) -> CoreConnection:
+    """A core in a process of its own, unless the model is loaded here already or the config says not to."""
+    if loaded is not None or not config.engine_process:
+        from pagedserve.engine.core.llm_engine import LLMEngine
+
+        return ThreadCore(lambda: LLMEngine(config, loaded))
+    return ProcessCore(config)
+
+
+class ThreadCore(CoreConnection):
+    """The core on a thread of this process: for models loaded here already (tests, embedding)."""
+
+    _END = object()
+
+    def __init__(self, make_engine: Callable[[], LLMEngine]) -> None:
+        self._make_engine = make_engine
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        from pagedserve.engine.core.loop import run_core
+
+        try:
+            run_core(self._make_engine, self._inbox, self._outbox.put)
+        finally:
+            self._outbox.put(self._END)
+
+    def send(self, command: Command) -> None:
+        self._inbox.put(command)
+
+    def receive(self) -> CoreMessage:
+        message = self._outbox.get()
+        if message is self._END:
+            self._outbox.put(self._END)  # every later receive() says so too
+            raise CoreGone("the engine core's thread ended")
+        return message  # type: ignore[return-value]
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+
+@dataclass
+class CoreSettings:
+    """The first message to a core process."""
+
+    config: EngineConfig
+    log_level: int
+
+
+class ProcessCore(CoreConnection):
+    """The core in a child process (`python -m pagedserve.engine.core FD`)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._config = config
+        self._process: subprocess.Popen | None = None
+        self._connection: Connection | None = None
+        self._send_lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def start(self) -> None:
+        ours, theirs = socket.socketpair()
+        with theirs:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "pagedserve.engine.core", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],  # the environment is ours: OMP_WAIT_POLICY is in it (openmp_policy)
+                stdin=subprocess.DEVNULL,
+            )
+        self._connection = Connection(ours.detach())
+        self._connection.send(CoreSettings(self._config, logging.getLogger().getEffectiveLevel()))
+
+    def send(self, command: Command) -> None:
+        assert self._connection is not None, "start() first"
+        with self._send_lock, contextlib.suppress(OSError):  # the core is gone: receive() says how
+            self._connection.send(command)
+
+    def receive(self) -> CoreMessage:
+        assert self._connection is not None and self._process is not None, "start() first"
+        while True:
+            try:
+                message = self._connection.recv()
+            except (EOFError, OSError):
+                raise CoreGone(f"the engine core process ended ({self._exit_status()})") from None
+            if isinstance(message, LogRecord):
+                logging.getLogger(message.record.name).handle(message.record)
+                continue
+            return message
+
+    def _exit_status(self) -> str:
+        assert self._process is not None
+        try:
+            code = self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "its socket closed while it still runs"
+        if code < 0:
+            return f"killed by signal {signal.Signals(-code).name}"
+        return f"exit status {code}"
+
+    def join(self, timeout: float) -> None:
+        if self._process is None:
+            return
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("the engine core process did not stop within %.0f s; killing it", timeout)
+            self._process.kill()
+            self._process.wait()
+        if self._connection is not None:
+            self._connection.close()
+
+
+# ---- the core process's side ------------------------------------------------------------------------------
+
+
+class _ForwardLogs(logging.handlers.QueueHandler):
+    """Sends each log record to the caller, whose logging configuration formats and writes it."""
+
+    def __init__(self, emit: Callable[[CoreMessage], None]) -> None:
+        super().__init__(queue=None)  # type: ignore[arg-type]
+        self._emit = emit
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        self._emit(LogRecord(record))
+
+
+def serve_child(fd: int) -> None:
+    """The core process's main: settings, then the core until Shutdown or until the caller goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the caller decides, not us
+    connection = Connection(fd)
+    settings: CoreSettings = connection.recv()
+    lock = threading.Lock()
+
+    def emit(message: CoreMessage) -> None:
+        with lock:
+            connection.send(message)
+
+    root = logging.getLogger()
+    root.handlers[:] = [_ForwardLogs(emit)]
+    root.setLevel(settings.log_level)
+    # The caller's work is short and waited on (admission, probes, each streamed token); the core's is long.
+    # When both want a CPU the caller goes first, and an idle caller leaves the core every CPU. On 2 cores,
+    # 5 levels took the p99 of a burst's 503s from 48-79 ms to 39-53 ms (benchmarks/isolation.py) and kept
+    # serving throughput; 10 levels gave 42-48 ms but cost ~5% of it to a load client on the same host.
+    os.nice(settings.config.engine_niceness)
+    inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+    threading.Thread(target=_read_commands, args=(connection, inbox), name="pagedserve-inbox", daemon=True).start()
+
+    from pagedserve.engine.core.llm_engine import LLMEngine
+    from pagedserve.engine.core.loop import run_core
+
+    run_core(lambda: LLMEngine(settings.config), inbox, emit)
+    connection.close()
+
+
+def _read_commands(connection: Connection, inbox: queue.SimpleQueue[Command]) -> None:
+    while True:
+        try:
+            inbox.put(connection.recv())
+        except (EOFError, OSError):
+            os._exit(0)  # the caller is gone (or closed us): nobody is left to serve

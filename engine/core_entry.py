@@ -1,7 +1,0 @@
-"""`python -m pagedserve.engine.core_entry FD`: an engine core process (started by ProcessCore, not by hand)."""
-
-import sys
-
-from pagedserve.engine.core_process import serve_child
-
-serve_child(int(sys.argv[1]))

@@ -1,6 +1,0 @@
-"""Model implementations, picked by the checkpoint's `architectures`."""
-
-from pagedserve.engine.models.llama import KVCache, LlamaForCausalLM
-from pagedserve.engine.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec
-
-__all__ = ["SUPPORTED_ARCHITECTURES", "KVCache", "LlamaForCausalLM", "ModelSpec"]

@@ -1,0 +1,149 @@
+"""Tokenizer loading and chat templates (transformers does the work)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pagedserve.engine.text.chat_tokens import Message, MessageTextGuard
+from pagedserve.engine.text.tool_template import Tool, messages_and_tools_for_template
+
+T = TypeVar("T")
+INLINE_MAX_CHARS = 4096
+MESSAGE_WEIGHT_CHARS = 64  # a message's cost to render, counted as this many characters of text
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if not getattr(tokenizer, "is_fast", False) or getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise ValueError(f"{path}: pagedserve needs a fast (tokenizers) tokenizer")
+    return tokenizer
+
+
+def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every token that ends generation: from the config, generation_config.json and the tokenizer."""
+    ids: set[int] = set()
+    candidates: list[Any] = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.exists():
+        candidates.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[Message],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[Tool] | None = None,
+) -> str:
+    """The prompt for `messages`; with continue_final_message, the last message is left open to be continued.
+
+    `tools` (OpenAI tool definitions) go to templates that render tools; other templates get them, and any tool
+    calls and results in the history, as text in the messages (tool_template).
+    """
+    if not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template; use the completions API instead")
+    chat_template = tokenizer.get_chat_template(tools=tools or None)  # a model may keep a template for tool use
+    template_messages, template_tools = messages_and_tools_for_template(chat_template, messages, tools)
+    text = tokenizer.apply_chat_template(
+        template_messages,
+        tools=template_tools,  # type: ignore[arg-type]  # dicts of str keys are what transformers takes
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
+    assert isinstance(text, str)
+    return text
+
+
+class PromptTokenizer:
+    """Tokenization on the caller's side of the engine, with a small pool to run it off an event loop.
+
+    The tokenizers library releases the GIL while it encodes, so a 1 MB prompt on a pool thread leaves the
+    event loop free to answer other requests meanwhile. Short texts encode in place: that takes well under a
+    millisecond, less than the hop to a pool thread and back (which waits for the GIL on a busy process).
+    """
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, max_workers: int = 2, trust_message_special_tokens: bool = False
+    ) -> None:
+        self.hf = tokenizer
+        self._guard = None if trust_message_special_tokens else MessageTextGuard(tokenizer)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="pagedserve-tokenizer")
+
+    @classmethod
+    def load(cls, path: str | Path, trust_message_special_tokens: bool = False) -> PromptTokenizer:
+        return cls(load_tokenizer(path), trust_message_special_tokens=trust_message_special_tokens)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with _invalid_text_as_value_error(text):
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[Tool] | None = None,
+    ) -> list[int]:
+        """The chat template applied, then tokenized; special tokens typed in messages stay text (chat_tokens)."""
+        render = functools.partial(
+            apply_chat_template,
+            self.hf,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+        )
+        text = render(messages)
+        with _invalid_text_as_value_error(text):
+            if self._guard is not None and self._guard.is_needed(messages):
+                return self._guard.encode(messages, text, render)
+            return self.hf.encode(text, add_special_tokens=False)
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._off_loop(len(text), self.encode, text, add_special_tokens)
+
+    async def encode_chat_async(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[Tool] | None = None,
+    ) -> list[int]:
+        size = sum(len(str(message.get("content") or "")) + MESSAGE_WEIGHT_CHARS for message in messages)
+        size += len(json.dumps(tools)) if tools else 0  # tool definitions are prompt text too, often kilobytes
+        return await self._off_loop(
+            size, self.encode_chat, messages, add_generation_prompt, continue_final_message, tools
+        )
+
+    async def _off_loop(self, num_chars: int, function: Callable[..., T], *args: Any) -> T:
+        if num_chars <= INLINE_MAX_CHARS:
+            return function(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(function, *args))
+
+
+@contextlib.contextmanager
+def _invalid_text_as_value_error(text: str) -> Iterator[None]:
+    """tokenizers refuses text that is not valid Unicode (a lone surrogate) with an obscure TypeError."""
+    try:
+        yield
+    except TypeError:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the prompt is not valid Unicode text: {exc.reason} at character {exc.start}") from None
+        raise

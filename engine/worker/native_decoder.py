@@ -1,0 +1,203 @@
+"""A Llama model's decoder layers as one native call per step, on the CPU (kernels/csrc/decoder_forward.c).
+
+Calling a layer's dozen kernels one by one from Python costs about as much as their arithmetic when the
+projections are ggml blocks and the batch is a few tokens (one stream's decode step: ~0.45 ms of Python per
+layer against ~0.35 ms of kernels). The native forward runs the same kernels in the same order. It applies
+where every op it composes applies: float32 on the CPU with the native library, every projection kept in a block
+format, no q/k norms, and a step whose every query row the native attention kernel
+takes (decode rows, and prefill chunks of sequences the kernel attends faster than SDPA), of at most
+MAX_TOKENS tokens, which bounds the step's scratch memory. Elsewhere the model's modules run as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from pagedserve.kernels import AttentionMetadata, RotaryAngles
+from pagedserve.kernels.cpu_attention import plan_attention
+from pagedserve.kernels.cpu_native import VECTOR_LANES, native_function
+from pagedserve.kernels.device_blocks import AnyQuantizedWeight
+from pagedserve.kernels.quantized import FORMATS, QuantizedWeight
+
+if TYPE_CHECKING:
+    from pagedserve.engine.worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+
+# The step's activations live in one scratch allocation of ~(3 hidden + qkv + 2 q + 3 intermediate) floats a
+# token: 33 KiB for SmolLM2, 200 KiB for an 8B model, so 2048 tokens take 66-400 MiB.
+MAX_TOKENS = 2048
+
+_pointer, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class _BlockWeight(ctypes.Structure):
+    _fields_ = [("blocks", _pointer), ("type", _i32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _pointer),
+        ("post_attention_norm", _pointer),
+        ("qkv", _BlockWeight),
+        ("o", _BlockWeight),
+        ("gate_up", _BlockWeight),
+        ("down", _BlockWeight),
+        ("qkv_bias", _pointer),
+        ("k_cache", _pointer),
+        ("v_cache", _pointer),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _i64),
+        ("hidden", _i64),
+        ("num_heads", _i64),
+        ("num_kv_heads", _i64),
+        ("head_dim", _i64),
+        ("intermediate", _i64),
+        ("block_size", _i64),
+        ("num_slots", _i64),
+        ("eps", _f32),
+        ("scale", _f32),
+        ("layers", ctypes.POINTER(_Layer)),
+        ("final_norm", _pointer),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("tokens", _i64),
+        ("cos", _pointer),
+        ("sin", _pointer),
+        ("slots", _pointer),
+        ("block_tables", _pointer),
+        ("block_table_stride", _i64),
+        ("context_lens", _pointer),
+        ("seq_ids", _pointer),
+        ("query_rows", _pointer),
+        ("num_queries", _i64),
+    ]
+
+
+NativeForward = Callable[..., int]
+
+
+class CpuDecoder:
+    """The model's layers and caches described once for the native forward; `forward` runs a step."""
+
+    def __init__(self, model: LlamaForCausalLM, caches: Sequence[KVCache], function: NativeForward) -> None:
+        spec, attention = model.spec, _attention(model.layers[0])
+        self._function = function
+        self._layers = (_Layer * spec.num_layers)(
+            *(
+                _describe(cast("LlamaDecoderLayer", layer), cache)
+                for layer, cache in zip(model.layers, caches, strict=True)
+            )
+        )
+        k_cache = caches[0][0]
+        self._model = _Model(
+            num_layers=spec.num_layers,
+            hidden=spec.hidden_size,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            intermediate=spec.intermediate_size,
+            block_size=k_cache.shape[1],
+            num_slots=k_cache.numel() // (spec.num_kv_heads * spec.head_dim),
+            eps=model.norm.eps,
+            scale=attention.scale,
+            layers=self._layers,
+            final_norm=model.norm.weight.data_ptr(),
+        )
+
+    def forward(
+        self, embeddings: torch.Tensor, angles: RotaryAngles, metadata: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """Hidden states [T, hidden] after the final norm, or None where this step is not the native forward's."""
+        tokens = embeddings.shape[0]
+        if tokens > MAX_TOKENS or embeddings.dtype != torch.float32:
+            return None
+        plan = metadata.plan if metadata.plan is not None else plan_attention(metadata)
+        rows = plan.native_rows
+        if plan.sdpa_prefills or rows.query_rows.numel() != tokens:
+            return None
+        cos, sin = angles.token_major_halves
+        slots, tables = metadata.slot_mapping.contiguous(), metadata.block_tables
+        step = _Step(
+            tokens=tokens,
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            slots=slots.data_ptr(),
+            block_tables=tables.data_ptr(),
+            block_table_stride=tables.stride(0),
+            context_lens=rows.context_lens.data_ptr(),
+            seq_ids=rows.seq_ids.data_ptr(),
+            query_rows=rows.query_rows.data_ptr(),
+            num_queries=tokens,
+        )
+        residual = embeddings.contiguous()  # a new tensor (the embedding lookup's): the residual stream in place
+        out = torch.empty_like(residual)
+        status = self._function(
+            out.data_ptr(), residual.data_ptr(), ctypes.byref(self._model), ctypes.byref(step), torch.get_num_threads()
+        )
+        if status == -3:
+            raise IndexError("decoder_forward: a slot is past the cache")
+        if status != 0:
+            raise MemoryError(f"decoder_forward failed ({status})")
+        return out
+
+
+def native_decoder(model: LlamaForCausalLM, caches: Sequence[KVCache]) -> CpuDecoder | None:
+    """The native forward for this model and these caches, or None where it does not apply."""
+    function = native_function("decoder_forward_f32", [_pointer, _pointer, _pointer, _pointer, ctypes.c_int])
+    if function is None or not _applies(model, caches):
+        return None
+    return CpuDecoder(model, caches, function)
+
+
+def _applies(model: LlamaForCausalLM, caches: Sequence[KVCache]) -> bool:
+    if model.backend.name != "cpu" or model.group is not None or model.spec.head_dim % VECTOR_LANES != 0:
+        return False  # the native forward has no collectives: one rank holds the whole model
+    tensors = [t for cache in caches for t in cache] + [model.norm.weight]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return False
+    return all(_layer_applies(layer) for layer in model.layers)
+
+
+def _layer_applies(layer: torch.nn.Module) -> bool:
+    attention = _attention(layer)
+    if attention.q_norm is not None:
+        return False
+    projections = (attention.qkv_proj, attention.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    if any(not isinstance(p.quantized, QuantizedWeight) for p in projections):  # every CPU block format has a kernel
+        return False
+    return all(p.bias is None for p in projections[1:])
+
+
+def _attention(layer: torch.nn.Module) -> torch.nn.Module:
+    return layer.self_attn  # type: ignore[return-value]
+
+
+def _describe(layer: LlamaDecoderLayer, cache: KVCache) -> _Layer:
+    attention, mlp = layer.self_attn, layer.mlp
+    qkv_bias = attention.qkv_proj.bias
+    return _Layer(
+        input_norm=layer.input_layernorm.weight.data_ptr(),
+        post_attention_norm=layer.post_attention_layernorm.weight.data_ptr(),
+        qkv=_block_weight(attention.qkv_proj.quantized),
+        o=_block_weight(attention.o_proj.quantized),
+        gate_up=_block_weight(mlp.gate_up_proj.quantized),
+        down=_block_weight(mlp.down_proj.quantized),
+        qkv_bias=None if qkv_bias is None else qkv_bias.data_ptr(),
+        k_cache=cache[0].data_ptr(),
+        v_cache=cache[1].data_ptr(),
+    )
+
+
+def _block_weight(weight: AnyQuantizedWeight | None) -> _BlockWeight:
+    assert isinstance(weight, QuantizedWeight)
+    return _BlockWeight(blocks=weight.blocks.data_ptr(), type=FORMATS[weight.qtype].ggml_type)

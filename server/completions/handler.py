@@ -1,0 +1,147 @@
+"""POST /v1/completions: one engine request per prompt, choices indexed prompt-major."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from pagedserve.engine import CompletionOutput, SequenceDelta, TokenLogprob
+from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.outputs import PromptLogprobs
+from pagedserve.engine.validation import check_admissible
+from pagedserve.server.bodies import Completion, CompletionChoice, CompletionLogprobs, PromptLogprobsOut, Usage
+from pagedserve.server.context import ServingContext, serving
+from pagedserve.server.errors import to_api_error
+from pagedserve.server.generation import collect, reserved_place, start_streams, unless_disconnected
+from pagedserve.server.logprobs import completion_logprobs, decode, echoed_prompt_logprobs, vllm_prompt_logprobs
+from pagedserve.server.protocol import CompletionRequest
+from pagedserve.server.sse import sse_events, sse_response
+
+logger = logging.getLogger(__name__)
+router = APIRouter(tags=["openai"])
+
+
+@router.post("/v1/completions", response_model=Completion)
+async def create_completion(body: CompletionRequest, request: Request) -> Response | Completion:
+    ctx = serving(request)
+    ctx.check_model(body.model)
+    engine = ctx.ready_engine()
+    try:
+        params = body.sampling_params()
+        check_admissible(engine.limits, len(body.prompts), params.n)  # before tokenizing: it costs nothing
+        prompts = [await engine.encode_prompt(prompt) for prompt in body.prompts]
+    except ValueError as exc:
+        raise to_api_error(exc, "prompt") from exc
+    request_id, record = request.state.request_id, request.state.record
+    engine_id, reservation = ctx.engine_request_id(request_id), reserved_place(request)
+    streams = await start_streams(engine, engine_id, prompts, params, "prompt", body.timeout, reservation)
+    record.prompt_tokens = sum(len(prompt) for prompt in prompts)
+    logger.debug(
+        "request %s: completion, %d prompts, %d prompt tokens, n=%d, stream=%s",
+        request_id,
+        len(prompts),
+        record.prompt_tokens,
+        params.n,
+        body.stream,
+    )
+    reply = CompletionReply(ctx, body, prompts, _echoes(engine, body, prompts), params.n)
+    if body.stream:
+        return sse_response(sse_events(reply, streams, params.n, record, body.include_usage), streams)
+    outputs = await unless_disconnected(request, collect(streams, params.n, record))
+    return reply.completion(outputs, record.usage())
+
+
+def _echoes(engine: AsyncEngine, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """The text each choice starts with: its prompt with echo, else nothing."""
+    if not body.echo:
+        return [""] * len(prompts)
+    tokenizer = engine.tokenizer.hf
+    return [p if isinstance(p, str) else decode(tokenizer, ids) for p, ids in zip(body.prompts, prompts)]
+
+
+class CompletionReply:
+    """Builds the answer's objects; also the ChunkFormatter for streaming.
+
+    With echo and logprobs, an echoed prompt's tokens come with their logprobs (the first one null), ahead of
+    the generated ones; streamed, the echo then waits for the first delta, which brings them.
+    """
+
+    def __init__(
+        self, ctx: ServingContext, body: CompletionRequest, prompts: list[list[int]], echoes: list[str], n: int
+    ) -> None:
+        self._ctx = ctx
+        self._n = n
+        self._prompts = prompts
+        self._echoes = [echo for echo in echoes for _ in range(n)]  # per choice
+        self._text_offsets = [len(echo) for echo in self._echoes]  # where each choice's next token starts
+        self._echo_logprobs = body.echoes_logprobs
+        self._vllm_prompt_logprobs = body.prompt_logprobs is not None
+        self._envelope = ctx.envelope("cmpl")
+
+    def completion(self, outputs: list[CompletionOutput], usage: Usage) -> Completion:
+        choices = [
+            CompletionChoice(
+                index=output.index,
+                text=self._echoes[output.index] + output.text,
+                logprobs=self._choice_logprobs(output.index, output.prompt_logprobs, output.logprobs),
+                finish_reason=output.finish_reason,
+                prompt_logprobs=self._vllm(output.prompt_logprobs),
+            )
+            for output in outputs
+        ]
+        return Completion(**self._envelope, choices=choices, usage=usage)
+
+    def opening(self) -> Iterable[Completion]:
+        if self._echo_logprobs:
+            return []  # each echo comes with its prompt's logprobs, in the choice's first delta
+        echoes = enumerate(self._echoes)
+        return [self._chunk(CompletionChoice(index=i, text=echo)) for i, echo in echoes if echo]
+
+    def on_delta(self, choice: int, delta: SequenceDelta) -> list[Completion]:
+        prompt_logprobs = delta.prompt_logprobs
+        text = delta.new_text
+        if self._echo_logprobs and prompt_logprobs is not None:
+            text = self._echoes[choice] + text
+        logprobs = self._choice_logprobs(choice, prompt_logprobs, delta.new_logprobs)
+        vllm = self._vllm(prompt_logprobs)
+        if not text and logprobs is None and vllm is None:
+            return []
+        return [self._chunk(CompletionChoice(index=choice, text=text, logprobs=logprobs, prompt_logprobs=vllm))]
+
+    def on_finish(self, choice: int, finish_reason: str) -> list[Completion]:
+        return [self._chunk(CompletionChoice(index=choice, text="", finish_reason=finish_reason))]
+
+    def on_usage(self, usage: Usage) -> Completion:
+        return Completion(**self._envelope, choices=[], usage=usage)
+
+    def _chunk(self, choice: CompletionChoice) -> Completion:
+        return Completion(**self._envelope, choices=[choice])
+
+    def _choice_logprobs(
+        self, choice: int, prompt: PromptLogprobs | None, generated: list[TokenLogprob] | None
+    ) -> CompletionLogprobs | None:
+        """The generated tokens' logprobs, after the echoed prompt's when those are due."""
+        tail = self._generated_logprobs(choice, generated)
+        if not (self._echo_logprobs and prompt is not None):
+            return tail
+        head = echoed_prompt_logprobs(self._prompts[choice // self._n], prompt, self._ctx.token_texts)
+        if tail is not None:
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(head, name).extend(getattr(tail, name))
+        return head
+
+    def _generated_logprobs(self, choice: int, items: list[TokenLogprob] | None) -> CompletionLogprobs | None:
+        if items is None:
+            return None
+        logprobs = completion_logprobs(items, self._ctx.token_texts, self._text_offsets[choice])
+        if logprobs.tokens:
+            self._text_offsets[choice] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        return logprobs
+
+    def _vllm(self, prompt: PromptLogprobs | None) -> PromptLogprobsOut | None:
+        if not self._vllm_prompt_logprobs or prompt is None:
+            return None
+        return vllm_prompt_logprobs(prompt, self._ctx.token_texts)

@@ -1,0 +1,1 @@
+"""The service's own endpoints: models, probes, version, tokenize, metrics, cache reset."""
