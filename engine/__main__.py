@@ -3,8 +3,7 @@ blocks) and prints its folder."""
 
 import logging
 
-from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, materialize_gguf
-from pagedserve.engine.worker.weights.gguf import save_blocks_once
+from pagedserve.engine.worker import embedded_gguf_path, materialize_gguf, save_blocks_once
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 model_dir = materialize_gguf(embedded_gguf_path())

@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.backend import (
-    BACKEND_NAMES,
-    KernelBackend,
-    RotaryAngles,
-    get_backend,
-    resolve_backend_name,
-)
+from pagedserve.kernels.backend import KernelBackend, RotaryAngles
 from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.selection import BACKEND_NAMES, get_backend, resolve_backend_name
 
 __all__ = [
     "BACKEND_NAMES",

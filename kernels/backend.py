@@ -18,9 +18,6 @@ from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.kernels.quantized import FORMATS, QuantizedWeight, quantized_linear
 
-BACKEND_NAMES = ("auto", "triton", "cpu")
-DEPRECATED_NAMES = {"torch": "cpu"}  # the CPU backend's former name, so that older configs keep working
-
 
 @dataclass
 class RotaryAngles:
@@ -144,23 +141,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    name = DEPRECATED_NAMES.get(name, name)
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "cpu"
-    return name
-
-
-def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> KernelBackend:
-    resolved = resolve_backend_name(name, torch.device(device))
-    if resolved == "triton":
-        from pagedserve.kernels.triton_backend import TritonBackend
-
-        return TritonBackend()
-    from pagedserve.kernels.cpu_backend import CpuBackend
-
-    return CpuBackend()

@@ -12,6 +12,7 @@ import torch
 
 import pagedserve.engine.worker.profiling as profiling
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.worker.kv_caches import allocate_kv_caches
 from pagedserve.engine.worker.kv_sizing import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     MAX_DEFAULT_MODEL_LEN,
@@ -21,7 +22,6 @@ from pagedserve.engine.worker.kv_sizing import (
     plan_kv_cache,
     resolve_max_model_len,
 )
-from pagedserve.engine.worker.model_runner import allocate_kv_caches
 from pagedserve.engine.worker.models import ModelSpec
 
 SPEC = ModelSpec(

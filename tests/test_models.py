@@ -10,9 +10,10 @@ import torch
 import transformers
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.worker.kv_caches import allocate_kv_caches
 from pagedserve.engine.worker.model_loader import load_model
-from pagedserve.engine.worker.model_runner import allocate_kv_caches
 from pagedserve.engine.worker.models import ModelSpec
+from pagedserve.engine.worker.native_decoder import bind_kv_caches
 from pagedserve.kernels import AttentionMetadata
 
 
@@ -21,8 +22,8 @@ def our_logits(model_dir: Path, token_ids: list[int], chunk: int) -> torch.Tenso
     loaded = load_model(EngineConfig(model=str(model_dir)))
     block_size = 16
     num_blocks = -(-len(token_ids) // block_size)
-    loaded.model.bind_kv_caches(
-        allocate_kv_caches(loaded.spec, num_blocks + 2, block_size, torch.float32, loaded.device)
+    bind_kv_caches(
+        loaded.model, allocate_kv_caches(loaded.spec, num_blocks + 2, block_size, torch.float32, loaded.device)
     )
     # Blocks in reverse order, so the block table really is followed.
     table = torch.arange(num_blocks + 1, 0, -1, dtype=torch.int32)[:num_blocks].unsqueeze(0)

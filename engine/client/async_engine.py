@@ -47,7 +47,7 @@ from pagedserve.engine.structured.grammar import GrammarCompiler
 from pagedserve.engine.text.tokenizer import Message, PromptTokenizer
 from pagedserve.engine.text.tool_template import Tool
 from pagedserve.engine.validation import RequestLimits, check_request
-from pagedserve.engine.worker.model_loader import LoadedModel
+from pagedserve.engine.worker import LoadedModel
 
 logger = logging.getLogger(__name__)
 

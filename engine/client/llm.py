@@ -35,7 +35,7 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured.grammar import GrammarCompiler
 from pagedserve.engine.text.tokenizer import Message, PromptTokenizer
 from pagedserve.engine.validation import check_request
-from pagedserve.engine.worker.model_loader import LoadedModel
+from pagedserve.engine.worker import LoadedModel
 
 Prompt = str | list[int]
 

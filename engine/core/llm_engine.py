@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine import openmp_policy
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.messages import EngineSnapshot
 from pagedserve.engine.core.sampler import Sampler
@@ -23,12 +22,7 @@ from pagedserve.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from pagedserve.engine.structured.constraints import Constraints
 from pagedserve.engine.text.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.validation import RequestLimits
-from pagedserve.engine.worker.cuda_graphs import cuda_graph_capture, graph_batch_sizes
-from pagedserve.engine.worker.distributed.launcher import TensorParallelWorkers, threads_per_rank
-from pagedserve.engine.worker.distributed.liveness import RankLostError
-from pagedserve.engine.worker.kv_sizing import plan_kv_cache
-from pagedserve.engine.worker.model_loader import LoadedModel, load_model, resolve_device
-from pagedserve.engine.worker.model_runner import ModelRunner, allocate_kv_caches
+from pagedserve.engine.worker import LoadedModel, ModelExecutor, ModelRunner, RankLostError
 
 logger = logging.getLogger(__name__)
 Sampled = tuple[int, TokenLogprob | None]  # a sequence's next token, and its logprobs when asked for
@@ -52,34 +46,19 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
-        """With tensor_parallel_size N > 1 this is rank 0: it starts ranks 1..N-1 and drives them each step;
-        close() ends them."""
+        """With tensor_parallel_size N > 1 the executor is rank 0 and drives the other ranks; close() ends them."""
         self.config = config or EngineConfig()
-        self.workers: TensorParallelWorkers | None = None
-        if self.config.tensor_parallel_size > 1:
-            if loaded is not None:
-                raise ValueError("a model loaded in this process cannot be split: use tensor_parallel_size 1")
-            self.workers = TensorParallelWorkers.start(self.config, resolve_device(self.config.device))
+        self.executor = ModelExecutor(self.config, loaded)
         try:
-            self._build(loaded)
-        except BaseException as exc:
-            lost = None if self.workers is None else self.workers.monitor.failure
+            self._build()
+        except BaseException:
             self.close()
-            if lost is not None:  # the rank's death says more than the collective that failed after it
-                raise RankLostError(lost) from exc
             raise
 
-    def _build(self, loaded: LoadedModel | None) -> None:
-        workers = self.workers
-        self.loaded = loaded or (
-            load_model(self.config) if workers is None else load_model(self.config, workers.group, workers.check)
-        )
-        openmp_policy.warn_if_set_too_late(self.loaded.device.type)
-        threads = threads_per_rank(self.config, self.loaded.device)
-        if threads:
-            torch.set_num_threads(threads)
+    def _build(self) -> None:
+        executor, plan = self.executor, self.executor.kv_plan
+        self.loaded = executor.loaded
         self.tokenizer = self.loaded.tokenizer
-        plan = plan_kv_cache(self.config, self.loaded)
         self.max_model_len = plan.max_model_len
         self.limits = RequestLimits(
             max_model_len=plan.max_model_len,
@@ -96,17 +75,7 @@ class LLMEngine:
             self.config.enable_prefix_caching,
             hashlib.sha256(identity).digest(),
         )
-        if self.workers is not None:
-            self.workers.allocate(plan.num_blocks, plan.block_size)
-        caches = allocate_kv_caches(
-            self.loaded.rank_spec, plan.num_blocks, plan.block_size, self.loaded.dtype, self.loaded.device
-        )
-        self.runner = ModelRunner(self.loaded.model, self.loaded.backend, self.kv, caches, self.loaded.device)
-        if self._use_cuda_graphs():
-            sizes = graph_batch_sizes(self.config.max_num_seqs)
-            if self.workers is not None:
-                self.workers.capture(sizes, self.max_model_len)
-            self.runner.capture_decode_graphs(sizes, self.max_model_len, cuda_graph_capture())
+        executor.bind_kv_cache(self.kv)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=self.config.max_num_seqs,
@@ -129,13 +98,9 @@ class LLMEngine:
             plan.max_model_len,
         )
 
-    def _use_cuda_graphs(self) -> bool:
-        if self.loaded.device.type != "cuda" or self.config.enforce_eager:
-            return False
-        if not self.loaded.backend.supports_cuda_graphs:
-            logger.info("CUDA graphs off: the %s attention backend cannot be recorded", self.loaded.backend.name)
-            return False
-        return True
+    @property
+    def runner(self) -> ModelRunner:
+        return self.executor.runner
 
     # ---- requests in -------------------------------------------------------------------------------
 
@@ -209,39 +174,33 @@ class LLMEngine:
             grammar_mask_wait_seconds=constraints.mask_wait_seconds,
             jump_forward_tokens=constraints.num_jumped_tokens,
             tensor_parallel_size=self.config.tensor_parallel_size,
-            communication_seconds=0.0 if self.loaded.group is None else self.loaded.group.comm_seconds,
+            communication_seconds=self.executor.communication_seconds,
         )
 
     def collect_stats(self, reset: bool = False) -> EngineStats:
-        group = self.loaded.group
         stats = dataclasses.replace(
             self.stats,
             forward_seconds=self.runner.forward_seconds,
-            communication_seconds=0.0 if group is None else group.comm_seconds,
+            communication_seconds=self.executor.communication_seconds,
             tensor_parallel_size=self.config.tensor_parallel_size,
         )
         if reset:
             self.stats = EngineStats()
-            self.runner.forward_seconds = 0.0
-            if group is not None:
-                group.comm_seconds = 0.0
+            self.executor.reset_clocks()
         return stats
 
     def check_health(self) -> None:
         """Raises RankLostError once a tensor-parallel rank has died or hung (nothing to check otherwise)."""
-        if self.workers is not None:
-            self.workers.check()
+        self.executor.check_health()
 
     @property
     def health_check_seconds(self) -> float | None:
         """How often an idle engine should check_health(); None: never needed (nothing runs beside it)."""
-        return None if self.workers is None else 1.0
+        return 1.0 if self.executor.has_ranks else None
 
     def close(self) -> None:
         """Ends the tensor-parallel ranks (nothing else holds resources beyond this object)."""
-        if self.workers is not None:
-            self.workers.stop()
-            self.workers = None
+        self.executor.close()
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -255,10 +214,10 @@ class LLMEngine:
         sampling, rows = sibling_rows([s.request for s in out.scheduled if s.samples], self.scheduler.forks)
         masks = self.constraints.start(sampling)  # filled while the forward runs
         try:
-            logits = self.runner.execute(out.scheduled, self.kv.take_pending_copies())
+            logits = self.executor.execute(out.scheduled, self.kv.take_pending_copies())
+        except RankLostError:  # the ranks may be out of step: nothing more can run
+            raise
         except Exception as exc:  # a failed forward fails its requests, not the engine
-            if self.workers is not None:  # unless the ranks may be out of step: then nothing can run
-                raise self.workers.lost(exc) from exc
             self.constraints.discard(masks)
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
             ids = {s.request.parent_id for s in out.scheduled}

@@ -31,7 +31,7 @@ from pagedserve.engine.core.messages import Command, CoreMessage, LogRecord, Shu
 
 if TYPE_CHECKING:
     from pagedserve.engine.core.llm_engine import LLMEngine
-    from pagedserve.engine.worker.model_loader import LoadedModel
+    from pagedserve.engine.worker import LoadedModel
 
 logger = logging.getLogger(__name__)
 

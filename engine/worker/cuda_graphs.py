@@ -20,15 +20,12 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
+from pagedserve.engine.worker.batch import StepInputs
+from pagedserve.engine.worker.models import LlamaForCausalLM
 from pagedserve.kernels import AttentionMetadata, KernelBackend
-
-if TYPE_CHECKING:
-    from pagedserve.engine.worker.model_runner import StepInputs
-    from pagedserve.engine.worker.models import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+import pagedserve.engine.worker.profiling as profiling
 from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.worker.distributed.commands import Command, send_command
+from pagedserve.engine.worker.kv_caches import kv_cache_shape
+from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.models import ModelSpec
-
-if TYPE_CHECKING:  # model_loader imports this module
-    from pagedserve.engine.worker.model_loader import LoadedModel
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of the embedded model in float32
 MAX_DEFAULT_MODEL_LEN = 8192
@@ -53,11 +53,6 @@ def plan_kv_cache(config: EngineConfig, loaded: LoadedModel) -> KVCachePlan:
     # A request must always fit the cache alone, or preemption could cycle forever.
     max_model_len = min(resolve_max_model_len(config, loaded.spec), num_blocks * config.block_size)
     return KVCachePlan(num_blocks, config.block_size, bytes_per_block, max_model_len)
-
-
-def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-    """One layer's K (or V) cache. The runner allocates this shape, so block bytes are counted from it too."""
-    return (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
 
 
 def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
@@ -103,15 +98,11 @@ def _profile_peak_memory(config: EngineConfig, loaded: LoadedModel) -> int | Non
     """Peak CUDA memory of a forward pass over a full token budget; None off CUDA, where nothing is measured."""
     if loaded.device.type != "cuda":
         return None
-    from pagedserve.engine.worker.profiling import profile_forward_peak  # here: profiling imports kv_sizing's importers
-
     if config.tensor_parallel_size == 1:
-        return profile_forward_peak(loaded, config)
+        return profiling.profile_forward_peak(loaded, config)
     assert loaded.group is not None, "a split model is loaded with its group"
-    from pagedserve.engine.worker.distributed.commands import Command, send_command
-
     send_command(loaded.group, Command.PROFILE)  # every rank runs the pass: its collectives need them all
-    return profile_forward_peak(rank_view(loaded), config)
+    return profiling.profile_forward_peak(rank_view(loaded), config)
 
 
 def rank_view(loaded: LoadedModel) -> LoadedModel:

@@ -7,17 +7,16 @@ import ctypes
 import ctypes.util
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from transformers import AutoConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.text.tokenizer import eos_token_ids, load_tokenizer
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
 from pagedserve.engine.worker.kv_sizing import model_len_limit
+from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.models import LlamaForCausalLM, ModelSpec
 from pagedserve.engine.worker.weights.checkpoint import iter_safetensors, resolve_model_dir
 from pagedserve.engine.worker.weights.gguf import gguf_source, stored_blocks
@@ -27,25 +26,6 @@ from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.quantized import FORMATS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class LoadedModel:
-    model_dir: Path
-    hf_config: Any
-    spec: ModelSpec
-    model: LlamaForCausalLM
-    tokenizer: PreTrainedTokenizerBase
-    eos_token_ids: frozenset[int]
-    backend: KernelBackend
-    device: torch.device
-    dtype: torch.dtype
-    group: TensorParallelGroup | None = None  # the ranks the model is split over; None: all of it is here
-
-    @property
-    def rank_spec(self) -> ModelSpec:
-        """This rank's part of the model (its heads and KV heads size its KV cache); `spec` when unsplit."""
-        return self.model.rank_spec
 
 
 def resolve_device(name: str) -> torch.device:

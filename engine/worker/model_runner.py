@@ -8,91 +8,23 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.engine.outputs import TokenLogprob
-from pagedserve.engine.scheduling.kv_cache_manager import KVCacheManager
-from pagedserve.engine.scheduling.scheduler import ScheduledRequest
+from pagedserve.engine.worker.batch import (
+    NUM_BATCH_PARTS,
+    BlockTables,
+    HostBatch,
+    ScheduledSequence,
+    StepInputs,
+    StepLogits,
+)
 from pagedserve.engine.worker.cuda_graphs import Capture, DecodeGraphs
 from pagedserve.engine.worker.distributed.commands import Command, send_command
-from pagedserve.engine.worker.kv_sizing import kv_cache_shape
-from pagedserve.engine.worker.models import KVCache, LlamaForCausalLM, ModelSpec
+from pagedserve.engine.worker.models import KVCache, LlamaForCausalLM
+from pagedserve.engine.worker.native_decoder import bind_kv_caches
 from pagedserve.engine.worker.prompt_logprobs import LM_HEAD_ROWS, PromptRows, rows_to_score, score
 from pagedserve.kernels import AttentionMetadata, KernelBackend
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [R] rows of the last token of each sampling request
-    prompt_rows: list[PromptRows] = field(default_factory=list)  # rows whose prompt logprobs were asked for
-
-
-@dataclass
-class StepLogits:
-    sampling: torch.Tensor  # [R, vocab] float32, one row per scheduled request that samples
-    prompt_logprobs: dict[str, list[TokenLogprob]]  # new prompt logprobs by sequence id
-
-
-@dataclass
-class HostBatch:
-    """One step's packed inputs on the host, before they move to the device: what rank 0 broadcasts."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64
-    seq_lens: torch.Tensor  # [S] int32
-    query_start_loc: torch.Tensor  # [S + 1] int32
-    block_tables: torch.Tensor  # [S, max_blocks] int32
-    logits_indices: torch.Tensor  # [R] int64
-    query_lens_host: list[int]
-    seq_lens_host: list[int]
-
-    def parts(self) -> list[torch.Tensor]:
-        return [
-            self.input_ids,
-            self.positions,
-            self.slot_mapping,
-            self.seq_lens,
-            self.query_start_loc,
-            self.block_tables.flatten(),
-            self.logits_indices,
-        ]
-
-    @classmethod
-    def from_parts(cls, parts: list[torch.Tensor]) -> HostBatch:
-        """The inverse of parts() (which arrive as int64)."""
-        input_ids, positions, slot_mapping, seq_lens, query_start_loc, block_tables, logits_indices = parts
-        num_seqs = len(seq_lens)
-        return cls(
-            input_ids=input_ids,
-            positions=positions,
-            slot_mapping=slot_mapping,
-            seq_lens=seq_lens.to(torch.int32),
-            query_start_loc=query_start_loc.to(torch.int32),
-            block_tables=block_tables.to(torch.int32).view(num_seqs, -1),
-            logits_indices=logits_indices,
-            query_lens_host=query_start_loc.diff().tolist(),
-            seq_lens_host=seq_lens.tolist(),
-        )
-
-
-NUM_BATCH_PARTS = 7  # HostBatch.parts(); a step command adds the prompt rows and the block copies
-
-
-def allocate_kv_caches(
-    spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> list[KVCache]:
-    """Zeroed K and V caches of every layer, in the layout kv_sizing counts bytes for (`spec`: a rank's)."""
-    shape = kv_cache_shape(spec, num_blocks, block_size)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(spec.num_layers)
-    ]
 
 
 class ShardRunner:
@@ -111,7 +43,7 @@ class ShardRunner:
         self.block_size = block_size
         self.device = device
         self.kv_caches = kv_caches
-        model.bind_kv_caches(kv_caches)
+        bind_kv_caches(model, kv_caches)
         self.decode_graphs: DecodeGraphs | None = None
         self.forward_seconds = 0.0  # time inside the model, for the overhead figures
         self.num_tokens_processed = 0
@@ -181,7 +113,7 @@ class ModelRunner(ShardRunner):
         self,
         model: LlamaForCausalLM,
         backend: KernelBackend,
-        kv_manager: KVCacheManager,
+        kv_manager: BlockTables,
         kv_caches: list[KVCache],
         device: torch.device,
     ) -> None:
@@ -189,13 +121,13 @@ class ModelRunner(ShardRunner):
         self.kv = kv_manager
         self.group = model.group
 
-    def pack(self, scheduled: list[ScheduledRequest]) -> HostBatch:
+    def pack(self, scheduled: list[ScheduledSequence]) -> HostBatch:
         """Flat inputs for all scheduled requests."""
         if scheduled and all(s.num_new_tokens == 1 for s in scheduled):
             return self._pack_decode(scheduled)
         return self._pack_any(scheduled)
 
-    def _pack_any(self, scheduled: list[ScheduledRequest]) -> HostBatch:
+    def _pack_any(self, scheduled: list[ScheduledSequence]) -> HostBatch:
         """pack() for any step: vectorised over tokens, a loop only over requests."""
         requests = [s.request for s in scheduled]
         num_new = [s.num_new_tokens for s in scheduled]
@@ -223,7 +155,7 @@ class ModelRunner(ShardRunner):
             seq_lens_host=seq_lens,
         )
 
-    def _pack_decode(self, scheduled: list[ScheduledRequest]) -> HostBatch:
+    def _pack_decode(self, scheduled: list[ScheduledSequence]) -> HostBatch:
         """pack() for a step of one new token a request (decode): plain lists over the requests, then one tensor
         a field. The general path's twenty-odd small tensor ops cost ~1 ms, a tenth of a one-sequence step."""
         requests = [s.request for s in scheduled]
@@ -244,7 +176,7 @@ class ModelRunner(ShardRunner):
             seq_lens_host=seq_lens,
         )
 
-    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+    def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
         batch = self.pack(scheduled)
         return self.to_inputs(batch, rows_to_score(scheduled, batch.query_start_loc))
 
@@ -259,7 +191,7 @@ class ModelRunner(ShardRunner):
         return out
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], copies: list[tuple[int, int]] | None = None) -> StepLogits:
+    def execute(self, scheduled: list[ScheduledSequence], copies: list[tuple[int, int]] | None = None) -> StepLogits:
         """Logits for the scheduled requests that sample this step, and the prompt logprobs asked for."""
         batch = self.pack(scheduled)
         prompt_rows = rows_to_score(scheduled, batch.query_start_loc)

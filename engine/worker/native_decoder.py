@@ -151,6 +151,13 @@ class CpuDecoder:
         return out
 
 
+def bind_kv_caches(model: LlamaForCausalLM, caches: list[KVCache]) -> None:
+    """Binds the model's layers to their caches, and chooses how its layers run: one native call where it
+    applies, the model's modules elsewhere. The backend is chosen here, not in the model."""
+    model.bind_kv_caches(caches)
+    model.native_decoder = native_decoder(model, caches)
+
+
 def native_decoder(model: LlamaForCausalLM, caches: Sequence[KVCache]) -> CpuDecoder | None:
     """The native forward for this model and these caches, or None where it does not apply."""
     function = native_function("decoder_forward_f32", [_pointer, _pointer, _pointer, _pointer, ctypes.c_int])

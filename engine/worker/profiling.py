@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.worker.model_loader import LoadedModel
-from pagedserve.engine.worker.model_runner import allocate_kv_caches
+from pagedserve.engine.worker.kv_caches import allocate_kv_caches
+from pagedserve.engine.worker.loaded_model import LoadedModel
+from pagedserve.engine.worker.native_decoder import bind_kv_caches
 from pagedserve.kernels import AttentionMetadata
 
 
@@ -21,7 +22,7 @@ def profile_forward_peak(loaded: LoadedModel, config: EngineConfig) -> int:
     num_tokens = config.max_num_batched_tokens
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    loaded.model.bind_kv_caches(allocate_kv_caches(loaded.spec, 1, block_size, loaded.dtype, device))
+    bind_kv_caches(loaded.model, allocate_kv_caches(loaded.spec, 1, block_size, loaded.dtype, device))
     metadata = AttentionMetadata(
         block_tables=torch.zeros(1, -(-num_tokens // block_size), dtype=torch.int32, device=device),
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),

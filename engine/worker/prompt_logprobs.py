@@ -10,27 +10,16 @@ cached block has no hidden states to score (KVCacheManager.get_computed_blocks).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from pagedserve.engine.outputs import TokenLogprob
-from pagedserve.engine.scheduling.scheduler import ScheduledRequest
+from pagedserve.engine.worker.batch import PromptRows, ScheduledSequence
 
 LM_HEAD_ROWS = 256  # logits rows at a time: a 2048-token chunk at once would take 2048 x vocab floats
 
 
-@dataclass
-class PromptRows:
-    """The rows of one request's hidden states to score this step, and the prompt tokens they predict."""
-
-    request_id: str
-    rows: torch.Tensor  # [m] indices into the step's flat hidden states
-    targets: torch.Tensor  # [m] token ids
-    top_k: int
-
-
-def rows_to_score(scheduled: list[ScheduledRequest], query_start_loc: torch.Tensor) -> list[PromptRows]:
+def rows_to_score(scheduled: list[ScheduledSequence], query_start_loc: torch.Tensor) -> list[PromptRows]:
     """What this step scores: a loop over requests, vectorised over their tokens."""
     wanted = []
     for index, item in enumerate(scheduled):

@@ -22,8 +22,9 @@ from pagedserve.engine.worker.distributed.group import TensorParallelGroup
 from pagedserve.engine.worker.distributed.launcher import CONFIG_KEY, LOG_LEVEL_KEY, threads_per_rank
 from pagedserve.engine.worker.distributed.liveness import start_heartbeat
 from pagedserve.engine.worker.distributed.rendezvous import Rendezvous, connect_store, join_group, rank_device
+from pagedserve.engine.worker.kv_caches import allocate_kv_caches
 from pagedserve.engine.worker.model_loader import LoadedModel, load_model, resolve_device
-from pagedserve.engine.worker.model_runner import ShardRunner, allocate_kv_caches
+from pagedserve.engine.worker.model_runner import ShardRunner
 
 logger = logging.getLogger(__name__)
 

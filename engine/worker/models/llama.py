@@ -8,7 +8,7 @@ the projections, norms and activations.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,6 @@ from pagedserve.engine.worker.models.layers import (
     vocab_rows_per_rank,
 )
 from pagedserve.engine.worker.models.spec import ModelSpec
-from pagedserve.engine.worker.native_decoder import CpuDecoder, native_decoder
 from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.quantized import QuantizedWeight
@@ -88,6 +87,15 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class FusedLayers(Protocol):
+    """Every decoder layer and the final norm in one call: hidden states [T, hidden], or None for a step the
+    call does not take (the modules run it)."""
+
+    def forward(
+        self, embeddings: torch.Tensor, angles: RotaryAngles, metadata: AttentionMetadata
+    ) -> torch.Tensor | None: ...
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self,
@@ -117,13 +125,14 @@ class LlamaForCausalLM(nn.Module):
             None if spec.tie_word_embeddings else Linear(spec.hidden_size, head_rows, bias=False, backend=backend)
         )
         self.quantized_head: AnyQuantizedWeight | None = None  # a tied head's blocks (embed_from_quantized_head)
-        self.native_decoder: CpuDecoder | None = None  # the layers as one native call, where it applies
+        # The layers as one call, where the backend has one for this model (the worker sets it: the native
+        # CPU decoder); None runs the layers' modules.
+        self.native_decoder: FusedLayers | None = None
 
     def bind_kv_caches(self, caches: list[KVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.kv_cache = cache
-        self.native_decoder = native_decoder(self, caches)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of the flat batch input_ids [T] at positions [T]."""

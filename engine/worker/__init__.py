@@ -1,0 +1,31 @@
+"""The worker side: the model and everything that runs it (loading, weights and their formats, KV cache sizing
+and profiling, the model runner, CUDA graphs, tensor-parallel ranks).
+
+This face is the one door into the room: the engine core builds a ModelExecutor and runs each step through it;
+the rest of the engine and the server name only what is listed here. Modules inside the room import each other
+by their full path, never through this face.
+"""
+
+from pagedserve.engine.worker.distributed.liveness import RankLostError
+from pagedserve.engine.worker.executor import ModelExecutor
+from pagedserve.engine.worker.loaded_model import LoadedModel
+from pagedserve.engine.worker.model_runner import ModelRunner
+from pagedserve.engine.worker.weights.checkpoint import (
+    EMBEDDED_NAME,
+    embedded_gguf_path,
+    materialize_gguf,
+    resolve_model_dir,
+)
+from pagedserve.engine.worker.weights.gguf import save_blocks_once
+
+__all__ = [
+    "EMBEDDED_NAME",
+    "LoadedModel",
+    "ModelExecutor",
+    "ModelRunner",
+    "RankLostError",
+    "embedded_gguf_path",
+    "materialize_gguf",
+    "resolve_model_dir",
+    "save_blocks_once",
+]
