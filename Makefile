@@ -55,7 +55,7 @@ lint: setup
 	MYPYPATH=build/typecheck $(BIN)/mypy -p pagedserve.engine -p pagedserve.kernels -p pagedserve.server
 
 bench: setup
-	$(BIN)/python benchmarks/throughput.py $(ARGS)
+	$(BIN)/python -m benchmarks.throughput $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,8 +1,8 @@
 """Online serving, side by side: pagedserve, `transformers serve` and llama.cpp's `llama-server` on one model.
 
-    python benchmarks/compare.py                                     # all three, rates 1,2,4,8,inf
-    python benchmarks/compare.py --servers pagedserve,llama.cpp --rates 2,inf --num-prompts 32
-    python benchmarks/compare.py --num-prompts 8 --rates inf --max-output-len 16     # a smoke run
+    python -m benchmarks.compare                                     # all three, rates 1,2,4,8,inf
+    python -m benchmarks.compare --servers pagedserve,llama.cpp --rates 2,inf --num-prompts 32
+    python -m benchmarks.compare --num-prompts 8 --rates inf --max-output-len 16     # a smoke run
 
 Each server in turn is started on 127.0.0.1 (its log under OUT_DIR/logs), loaded with the embedded
 SmolLM2-135M-Instruct, swept over the request rates with the `server.benchmark` load generator (streamed chat
@@ -51,7 +51,7 @@ build time (the web UI is left out rather than downloaded). About 30 minutes on 
         -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
     nice -n 19 cmake --build /tmp/llamacpp/build --target llama-server -j2
     install -D /tmp/llamacpp/build/bin/llama-server /tmp/llama-server/bin/llama-server
-    python benchmarks/compare.py --llama-server /tmp/llama-server/bin/llama-server
+    python -m benchmarks.compare --llama-server /tmp/llama-server/bin/llama-server
 
 (With older llama-cpp-python releases, whose llama.cpp has no UI options and downloads models with libcurl,
 use -DLLAMA_CURL=OFF instead of the last line of options.)
@@ -77,9 +77,6 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
-
-if not __package__:  # run as a file: import the project, not benchmarks/kernels.py as `kernels`
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import httpx
 

@@ -13,10 +13,6 @@ and torch/native (above 1: the kernel is faster).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: import the `kernels` package, not this script
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 

@@ -12,10 +12,6 @@ prefill's attention over 30 layers on each path and sdpa/native (above 1: the na
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: import the `kernels` package, not benchmarks/kernels.py
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 

@@ -13,12 +13,6 @@ copy is faster).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: import the `kernels` package, not benchmarks/kernels.py
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 import torch
 
 from benchmarks.kernels import cpu_median_ms

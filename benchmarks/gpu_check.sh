@@ -12,13 +12,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$rep
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$report_dir/gpu.txt"
 
 timeout 240 python -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_engine_gpu.py 2>&1 | tail -20 | tee "$report_dir/gpu_tests.txt"
-timeout 180 python benchmarks/kernels.py --json "$report_dir/kernels.json" 2>&1 | tee "$report_dir/kernels.txt"
-timeout 300 python benchmarks/gpu_throughput.py --json "$report_dir/throughput.json" 2>&1 | tee "$report_dir/throughput.txt"
+timeout 180 python -m benchmarks.kernels --json "$report_dir/kernels.json" 2>&1 | tee "$report_dir/kernels.txt"
+timeout 300 python -m benchmarks.gpu_throughput --json "$report_dir/throughput.json" 2>&1 | tee "$report_dir/throughput.txt"
 # TP=2 against TP=1 only where CUDA sees two GPUs (CUDA_VISIBLE_DEVICES and MIG included, as the engine would):
 # a one-GPU lease spends a torch import on it, not a model load. Rows print as they finish, so a timeout keeps them.
 gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
 if [ "${gpus:-0}" -ge 2 ]; then
-    timeout 300 python benchmarks/tensor_parallel_gpu.py --sizes 1 2 2>&1 | tee "$report_dir/tensor_parallel.txt"
+    timeout 300 python -m benchmarks.tensor_parallel_gpu --sizes 1 2 2>&1 | tee "$report_dir/tensor_parallel.txt"
 else
     echo "tensor_parallel_gpu: skipped, TP=2 needs 2 GPUs; this machine has ${gpus:-0}" | tee "$report_dir/tensor_parallel.txt"
 fi

@@ -1,6 +1,6 @@
 """End-to-end decode throughput on CUDA with a Llama-3-8B-shaped model and random weights.
 
-    python benchmarks/gpu_throughput.py [--num-requests 256 --prompt-len 512 --output-len 256] [--json out.json]
+    python -m benchmarks.gpu_throughput [--num-requests 256 --prompt-len 512 --output-len 256] [--json out.json]
 
 Prints pagedserve's output tokens/s, the weights-plus-KV bandwidth bound of a decode step at that batch
 (measured device copy bandwidth), and, unless --skip-transformers, transformers' continuous batching
@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import transformers
-
-if not __package__:  # run as a script: import the project, not benchmarks/kernels.py as `kernels`
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from pagedserve.engine import LLM, SamplingParams
 

@@ -20,9 +20,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: import the `kernels` package, not this script
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 import torch
 import torch.nn.functional as F
 

@@ -17,12 +17,8 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: import the `kernels` package, not benchmarks/kernels.py
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as benchmarks/quantized_linear.py: before torch loads
 
 import torch

@@ -1,6 +1,6 @@
 """KV memory: what paging, prefix caching and shared parallel samples save, measured in one run.
 
-    python benchmarks/kv_memory.py [--skip-model]   # the table, plus benchmarks/results/kv_memory.png
+    python -m benchmarks.kv_memory [--skip-model]   # the table, plus benchmarks/results/kv_memory.png
 
 1. ShareGPT-like lengths, one KV budget: the real Scheduler and KVCacheManager (block 16) against a
    contiguous allocator that reserves max_model_len per request, as servers did before paging. Token
@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-if not __package__:  # run as a script: import the project, not benchmarks/kernels.py as `kernels`
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.workloads import filler_text, sharegpt_like_lengths
 from pagedserve.engine import LLM, SamplingParams

@@ -1,6 +1,6 @@
 """x @ W^T against (W @ x^T)^T on this CPU: the choice behind CpuBackend.linear (kernels/cpu_backend.py).
 
-    python benchmarks/linear_orientation.py [--rows 16,64,128,256,2048]
+    python -m benchmarks.linear_orientation [--rows 16,64,128,256,2048]
 
 The same product, in float32 on torch's threads, for every projection of SmolLM2-135M. Prints GFLOP/s of
 each orientation (best of three rounds) and their ratio; `linear` takes the transposed one up to

@@ -32,7 +32,6 @@ BUSY_LOOP = "while True: pass"
 
 def child(num_requests: int, output_len: int) -> None:
     """Runs in the measured process: prints output tokens per second."""
-    sys.path[0] = str(ROOT)
     from benchmarks.throughput import pagedserve_run
     from benchmarks.workloads import chat_prompts
     from pagedserve.engine import LLM

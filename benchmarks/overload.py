@@ -15,10 +15,6 @@ import logging
 import statistics
 import sys
 import time
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: import the project's packages, not this folder
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import httpx
 

@@ -25,14 +25,11 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: import the `kernels` package, not benchmarks/kernels.py
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 # The engine's setting (engine/openmp_policy.py), before torch loads: torch's OpenMP workers sleep once an op
 # ends. Left spinning, they take the cores from the kernels' own pool between calls, and the tiled path,
 # which alternates the two pools, runs ten times slower or worse.

@@ -8,10 +8,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-if not __package__:  # run as a file: import the project's packages, not benchmarks/kernels.py as `kernels`
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from pagedserve.server.benchmark.command import main
 

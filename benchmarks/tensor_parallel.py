@@ -33,9 +33,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as engine/__init__.py doe
 
 import torch
 
-if not __package__:  # run as a script: import the project, not benchmarks/kernels.py as `kernels`
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedserve.engine.config import QUANTIZATIONS
 from pagedserve.engine.worker.distributed.commands import Command, receive_command, send_command

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,9 +28,6 @@ from pathlib import Path
 
 import torch
 import transformers
-
-if not __package__:  # run as a script: import the project, not benchmarks/kernels.py as `kernels`
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.gpu_throughput import LLAMA3_8B, save_placeholder_tokenizer
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams

@@ -1,7 +1,7 @@
 """Offline throughput: pagedserve against three ways of running transformers, one workload, one run.
 
-    python benchmarks/throughput.py            # the full comparison (about 10 minutes on 2 CPU cores)
-    python benchmarks/throughput.py --quick    # fewer requests, for a smoke run
+    python -m benchmarks.throughput            # the full comparison (about 10 minutes on 2 CPU cores)
+    python -m benchmarks.throughput --quick    # fewer requests, for a smoke run
 
 (a) transformers `generate`, one request at a time (measured on a few requests: its rate does not depend on
     how many there are); (b) `generate` on left-padded static batches of 32; (c) transformers' continuous
@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as engine/__init__.py does, but torch loads first here
 
 import torch
 import transformers
-
-if not __package__:  # run as a script: import the project, not benchmarks/kernels.py as `kernels`
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.workloads import chat_prompts
 from pagedserve.engine import LLM, SamplingParams

@@ -17,10 +17,6 @@ import itertools
 import sys
 from collections.abc import Callable, Iterable
 from functools import partial
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: import the `kernels` package, not benchmarks/kernels.py
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 import torch.nn.functional as F

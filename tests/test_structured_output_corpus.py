@@ -13,10 +13,10 @@ import jsonschema
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from benchmarks.structured_output import CORPUS, FORMAT_CHECKER, Case
 from pagedserve.engine import StructuredOutput
 from pagedserve.engine.structured.grammar import GrammarCompiler
 from pagedserve.engine.text.tokenizer import load_tokenizer
+from tests.structured_corpus import CORPUS, FORMAT_CHECKER, Case
 
 VOCAB_SIZE = 49152
 
