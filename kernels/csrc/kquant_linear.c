@@ -38,7 +38,8 @@
  * unpacked once; each group of 32 weights is dequantized into four vectors and every token of the tile adds
  * their products with its 32 activations. A single token takes the product regrouped (row_single): the integer
  * q times x, scaled once per group, with the mins' term from x's group sums; for Q4_K and Q5_K in AVX2
- * intrinsics where the host has them.
+ * intrinsics where the host has them. The row driver is quantized_linear.c's (block_rows.c,
+ * block_row_kernels.h).
  *
  * kquant_dequantize_f32 writes W out in float32 (each group's planes transposed back to its weights' order) for
  * prefill, where a float32 matmul of a few rows at a time beats this kernel.
@@ -46,26 +47,26 @@
  * Built at first use with the system C compiler (kernels/cpu_native.py), for the host CPU.
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
-#include "dequantized_tiles.h"
+#include "block_rows.h"
 #include "half_float.h"
-#include "parallel.h"
 #include "vector_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
-enum { QK_K = 256, GROUP = 32, GROUPS = QK_K / GROUP, TOKENS = 8 };
+enum { QK_K = 256, BLOCK_WEIGHTS = QK_K, GROUPS = QK_K / GROUP };
+/* For block_row_kernels.h: a super-block's groups unrolled, so that each one's shifts and masks are constants. */
+#define UNROLL_GROUPS _Pragma("GCC unroll 8")
 /* ggml's type ids (GGUF's tensor types). */
 enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
-/* The formats in this file's tables, and each one's super-block size in bytes. */
+/* The formats in this file's table, and each one's super-block size in bytes (named too, for the table's
+ * initializer). */
 enum format { Q4_K, Q5_K, Q6_K, FORMATS };
-static const int64_t BLOCK_BYTES[FORMATS] = {144, 176, 210};
-/* Weights a unit of parallel work holds at least: a few microseconds of work. */
-enum { GRAIN_WEIGHTS = 32768 };
+enum { Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210 };
+static const int64_t BLOCK_BYTES[FORMATS] = {Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
 
 /* A group's 32 bytes as eight words, and eight bytes, from any address. */
 typedef uint32_t words __attribute__((vector_size(32), aligned(1), may_alias));
@@ -101,8 +102,8 @@ typedef struct {
     float min[GROUPS];
 } super_scales;
 
-static inline __attribute__((always_inline)) super_scales unpack_scales(const uint8_t *block,
-                                                                        const enum format format) {
+static inline __attribute__((always_inline)) super_scales unpack_block(const uint8_t *block,
+                                                                       const enum format format) {
     super_scales out;
     if (format == Q6_K) {
         const vec d = splat(half_to_float(block + 208));
@@ -161,48 +162,6 @@ static inline __attribute__((always_inline)) void dequantize_group(const uint8_t
     for (int k = 0; k < 4; ++k) w[k] = format == Q6_K ? scale * q[k] : scale * q[k] - splat(u->min[j]);
 }
 
-/*
- * y[t * ldy_token] = sum_k w[k] * x[t * ldx + k] + bias, t < tokens, for one weight row of `blocks`
- * super-blocks and x in plane order, dequantizing each group once for all the tokens. Always inlined with
- * constant format and tokens, so the token loop unrolls and the accumulators live in registers.
- */
-static inline __attribute__((always_inline)) void row_tile(float *y, int64_t ldy_token, const float *x, int64_t ldx,
-                                                           const uint8_t *row, int64_t blocks, float bias,
-                                                           const enum format format, const int tokens) {
-    /* Named accumulators, not an array: GCC keeps these in registers through the block loop. */
-    vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *block = row + b * BLOCK_BYTES[format];
-        const super_scales u = unpack_scales(block, format);
-#pragma GCC unroll 8
-        for (int j = 0; j < GROUPS; ++j) {
-            vec w[4];
-            dequantize_group(block, &u, format, j, w);
-            const float *xg = x + b * QK_K + j * GROUP;
-            /* As in quantized_linear.c: one or two tokens sum the four products first (one dependent add
-             * a group), from three the tokens' chains interleave and fused multiply-adds are faster. */
-#define ACCUMULATE(t)                                                                                             \
-    if (tokens > t) {                                                                                             \
-        const float *xt = xg + t * ldx;                                                                           \
-        if (tokens >= 3) {                                                                                        \
-            a##t += w[0] * load(xt);                                                                              \
-            a##t += w[1] * load(xt + LANES);                                                                      \
-            a##t += w[2] * load(xt + 2 * LANES);                                                                  \
-            a##t += w[3] * load(xt + 3 * LANES);                                                                  \
-        } else {                                                                                                  \
-            a##t += w[0] * load(xt) + w[1] * load(xt + LANES) + w[2] * load(xt + 2 * LANES) +                     \
-                    w[3] * load(xt + 3 * LANES);                                                                  \
-        }                                                                                                         \
-    }
-            ACCUMULATE(0) ACCUMULATE(1) ACCUMULATE(2) ACCUMULATE(3) ACCUMULATE(4) ACCUMULATE(5) ACCUMULATE(6)
-            ACCUMULATE(7)
-#undef ACCUMULATE
-        }
-    }
-    const vec sums = transposed_sums(a0, a1, a2, a3, a4, a5, a6, a7); /* lane t: token t's dot product */
-    for (int t = 0; t < tokens; ++t) y[t * ldy_token] = sums[t] + bias;
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 /*
  * row_single for Q4_K and Q5_K in AVX2 intrinsics, for x86 since Haswell and Zen: 1.15x (Q4_K) and 1.05x (Q5_K)
@@ -242,7 +201,7 @@ static inline __attribute__((always_inline)) void row_single_avx2(float *y, cons
     __m256 scaled = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t *block = row + b * BLOCK_BYTES[format];
-        const super_scales u = unpack_scales(block, format);
+        const super_scales u = unpack_block(block, format);
 #pragma GCC unroll 8
         for (int j = 0; j < GROUPS; ++j)
             scaled = _mm256_fmadd_ps(_mm256_broadcast_ss(u.scale + j),
@@ -256,8 +215,8 @@ static inline __attribute__((always_inline)) void row_single_avx2(float *y, cons
 /*
  * One token: y = sum over groups of scale * (q . x_group) - sum over groups of min * sum(x_group) + bias, with
  * x in plane order and its group sums (Q4_K and Q5_K; Q6_K has no mins) computed once per call. The same
- * product as row_tile's, regrouped: nothing shares a dequantized group, and this skips the multiply-adds that
- * dequantize it.
+ * product as row_tile's (block_row_kernels.h), regrouped: nothing shares a dequantized group, and this skips the
+ * multiply-adds that dequantize it.
  */
 static inline __attribute__((always_inline)) void row_single(float *y, const float *x, const float *x_sums,
                                                              const uint8_t *row, int64_t blocks, float bias,
@@ -271,7 +230,7 @@ static inline __attribute__((always_inline)) void row_single(float *y, const flo
     vec scaled = {0}, offsets = {0};
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t *block = row + b * BLOCK_BYTES[format];
-        const super_scales u = unpack_scales(block, format);
+        const super_scales u = unpack_block(block, format);
 #pragma GCC unroll 8
         for (int j = 0; j < GROUPS; ++j) {
             vec q[4];
@@ -286,134 +245,11 @@ static inline __attribute__((always_inline)) void row_single(float *y, const flo
     *y = horizontal_sum(scaled) - horizontal_sum(offsets) + bias;
 }
 
-/* The row kernels for one format: row_single, and row_tile for each token count. */
-typedef void single_kernel(float *, const float *, const float *, const uint8_t *, int64_t, float);
-typedef void tile_kernel(float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, float);
-#define SINGLE_KERNEL(format)                                                                                     \
-    static void single_##format(float *y, const float *x, const float *x_sums, const uint8_t *row, int64_t blocks, \
-                                float bias) {                                                                     \
-        row_single(y, x, x_sums, row, blocks, bias, format);                                                      \
-    }
-#define TILE_KERNEL(format, tokens)                                                                               \
-    static void tile_##format##_##tokens(float *y, int64_t ldy_token, const float *x, int64_t ldx,               \
-                                         const uint8_t *row, int64_t blocks, float bias) {                        \
-        row_tile(y, ldy_token, x, ldx, row, blocks, bias, format, tokens);                                        \
-    }
-#define FORMAT_KERNELS(format)                                                                                    \
-    SINGLE_KERNEL(format)                                                                                         \
-    TILE_KERNEL(format, 1) TILE_KERNEL(format, 2) TILE_KERNEL(format, 3) TILE_KERNEL(format, 4)                   \
-    TILE_KERNEL(format, 5) TILE_KERNEL(format, 6) TILE_KERNEL(format, 7) TILE_KERNEL(format, 8)
-FORMAT_KERNELS(Q4_K) FORMAT_KERNELS(Q5_K) FORMAT_KERNELS(Q6_K)
-#define TILE_ROW(format)                                                                                          \
-    {tile_##format##_1, tile_##format##_2, tile_##format##_3, tile_##format##_4,                                  \
-     tile_##format##_5, tile_##format##_6, tile_##format##_7, tile_##format##_8}
-static single_kernel *const SINGLES[FORMATS] = {single_Q4_K, single_Q5_K, single_Q6_K};
-static tile_kernel *const TILES[FORMATS][TOKENS] = {TILE_ROW(Q4_K), TILE_ROW(Q5_K), TILE_ROW(Q6_K)};
-#undef TILE_ROW
-#undef FORMAT_KERNELS
-#undef TILE_KERNEL
-#undef SINGLE_KERNEL
-
-typedef struct {
-    float *y;
-    int64_t ldy_token, ldy_row;
-    const float *x, *x_sums; /* x in plane order; x_sums: a single Q4_K or Q5_K token's group sums, else NULL */
-    int64_t ldx;
-    const uint8_t *w;
-    const float *bias;
-    int64_t M, K;
-    enum format format;
-} linear_job;
-
-/* Output rows [begin, end): each row's blocks once from memory, then from L1 for each further token tile. */
-static void linear_rows(void *context, int64_t begin, int64_t end) {
-    const linear_job *job = context;
-    const int64_t blocks = job->K / QK_K, row_bytes = blocks * BLOCK_BYTES[job->format];
-    for (int64_t n = begin; n < end; ++n) {
-        const uint8_t *row = job->w + n * row_bytes;
-        const float bias = job->bias ? job->bias[n] : 0.0f;
-        if (job->M == 1) {
-            SINGLES[job->format](job->y + n * job->ldy_row, job->x, job->x_sums, row, blocks, bias);
-            continue;
-        }
-        for (int64_t m = 0; m < job->M; m += TOKENS) {
-            const int tokens = job->M - m < TOKENS ? (int)(job->M - m) : TOKENS;
-            TILES[job->format][tokens - 1](job->y + m * job->ldy_token + n * job->ldy_row, job->ldy_token,
-                                           job->x + m * job->ldx, job->ldx, row, blocks, bias);
-        }
-    }
-}
-
-/* The format of a ggml type id, or FORMATS for one this file does not read. */
-static enum format format_of(int ggml_type) {
-    switch (ggml_type) {
-    case GGML_Q4_K: return Q4_K;
-    case GGML_Q5_K: return Q5_K;
-    case GGML_Q6_K: return Q6_K;
-    default: return FORMATS;
-    }
-}
-
-/* One token's K activations in plane order: within each group of 32, vector k holds features k, k + 4, ...,
- * k + 28, as byte plane k holds those weights. */
-static void permute_x(float *out, const float *x, int64_t K) {
-    for (int64_t g = 0; g < K; g += GROUP)
-        for (int k = 0; k < 4; ++k)
-            for (int lane = 0; lane < LANES; ++lane) out[g + k * LANES + lane] = x[g + 4 * lane + k];
-}
-
-/* Rows a unit of parallel work: GRAIN_WEIGHTS weights' work, counting a row once per pass over it. */
-static int64_t grain_rows(int64_t K, int64_t passes) {
-    const int64_t work = K * (passes > 1 ? passes : 1);
-    return work >= GRAIN_WEIGHTS ? 1 : GRAIN_WEIGHTS / work;
-}
-
-/*
- * y[m, n] = sum_k W[n, k] * x[m, k] + bias[n] (bias may be NULL), for m < M tokens and n < N rows, W in the
- * format of ggml type id `ggml_type` (Q4_K, Q5_K or Q6_K), N rows of K / 256 super-blocks each, contiguous.
- * Returns 0; -1 (y untouched) for another type or a K that is not a positive multiple of 256; -2 if scratch
- * memory ran out.
- */
-static row_dequantizer dequantize_row;
-
-int kquant_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx, const uint8_t *w,
-                      const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type, int num_threads) {
-    const enum format format = format_of(ggml_type);
-    if (format == FORMATS || K <= 0 || K % QK_K != 0) return -1;
-    if (M <= 0) return 0;
-    if (M >= TILE_TOKENS)
-        return linear_by_tiles(y, ldy_token, ldy_row, x, ldx, w, bias, M, N, K, ggml_type,
-                               K / QK_K * BLOCK_BYTES[format], dequantize_row, num_threads);
-    /* Scratch: x in plane order, M x K; then, for one token of Q4_K or Q5_K (row_single), its group sums. */
-    const int64_t sums = M == 1 && format != Q6_K ? K / GROUP : 0;
-    float *scratch = malloc(sizeof(float) * (size_t)(M * K + sums));
-    if (scratch == NULL) return -2;
-    for (int64_t m = 0; m < M; ++m) permute_x(scratch + m * K, x + m * ldx, K);
-    float *x_sums = sums ? scratch + M * K : NULL;
-    for (int64_t g = 0; g < sums; ++g) {
-        const float *xg = scratch + g * GROUP;
-        x_sums[g] = horizontal_sum(load(xg) + load(xg + LANES) + load(xg + 2 * LANES) + load(xg + 3 * LANES));
-    }
-    linear_job job = {y, ldy_token, ldy_row, scratch, x_sums, K, w, bias, M, K, format};
-    const int64_t grain = M == 1 ? sequential_runs_grain(N, grain_rows(K, 1), num_threads)
-                                 : grain_rows(K, (M + TOKENS - 1) / TOKENS);
-    parallel_for(N, grain, num_threads, linear_rows, &job);
-    free(scratch);
-    return 0;
-}
-
-typedef struct {
-    float *out;
-    const uint8_t *w;
-    int64_t K;
-    enum format format;
-} dequantize_job;
-
 /*
  * A group's four byte planes as its 32 weights in order: weight 4 * lane + k is plane k's lane, so floats
  * 8m..8m+7 are lanes 2m and 2m + 1 of the four planes (a 4 x 8 transpose, in three rounds of shuffles).
  */
-static inline void store_in_order(float *out, const vec plane[4]) {
+static inline void store_group(float *out, const vec plane[4]) {
     const vec low01 = SHUFFLE(plane[0], plane[1], 0, 8, 1, 9, 4, 12, 5, 13);
     const vec low23 = SHUFFLE(plane[2], plane[3], 0, 8, 1, 9, 4, 12, 5, 13);
     const vec high01 = SHUFFLE(plane[0], plane[1], 2, 10, 3, 11, 6, 14, 7, 15);
@@ -428,37 +264,32 @@ static inline void store_in_order(float *out, const vec plane[4]) {
     store(out + 3 * LANES, SHUFFLE(lanes26, lanes37, 4, 5, 6, 7, 12, 13, 14, 15));
 }
 
-/* One super-block's 256 weights into out. */
-static inline __attribute__((always_inline)) void dequantize_block(float *out, const uint8_t *block,
-                                                                   const enum format format) {
-    const super_scales u = unpack_scales(block, format);
-#pragma GCC unroll 8
-    for (int j = 0; j < GROUPS; ++j) {
-        vec w[4];
-        dequantize_group(block, &u, format, j, w);
-        store_in_order(out + j * GROUP, w);
-    }
+/* One token's K activations in plane order: within each group of 32, vector k holds features k, k + 4, ...,
+ * k + 28, as byte plane k holds those weights. */
+static void permute_x(float *out, const float *x, int64_t K) {
+    for (int64_t g = 0; g < K; g += GROUP)
+        for (int k = 0; k < 4; ++k)
+            for (int lane = 0; lane < LANES; ++lane) out[g + k * LANES + lane] = x[g + 4 * lane + k];
 }
 
-/* Rows [begin, end) of W: their super-blocks are consecutive, as are the 256 floats of each. */
-static void dequantize_rows(void *context, int64_t begin, int64_t end) {
-    const dequantize_job *job = context;
-    const int64_t blocks = job->K / QK_K, block_bytes = BLOCK_BYTES[job->format];
-    const uint8_t *block = job->w + begin * blocks * block_bytes;
-    float *out = job->out + begin * job->K;
-    for (int64_t b = begin * blocks; b < end * blocks; ++b, block += block_bytes, out += QK_K) {
-        switch (job->format) { /* constant in each case: the dequantization inlines for that format */
-        case Q4_K: dequantize_block(out, block, Q4_K); break;
-        case Q5_K: dequantize_block(out, block, Q5_K); break;
-        default: dequantize_block(out, block, Q6_K); break;
-        }
-    }
-}
+#include "block_row_kernels.h"
 
-/* One row of K weights as float32, for dequantized_tiles.c. */
-static void dequantize_row(float *out, const uint8_t *row, int64_t K, int ggml_type) {
-    dequantize_job job = {out, row, K, format_of(ggml_type)};
-    dequantize_rows(&job, 0, 1);
+BLOCK_KERNELS(Q4_K) BLOCK_KERNELS(Q5_K) BLOCK_KERNELS(Q6_K)
+/* Every format reads x in plane order; Q6_K has no mins, whose single-token term takes x's group sums. */
+static const block_format FORMAT_TABLE[FORMATS] = {
+    BLOCK_FORMAT(Q4_K, GGML_Q4_K, 1, permute_x), BLOCK_FORMAT(Q5_K, GGML_Q5_K, 1, permute_x),
+    BLOCK_FORMAT(Q6_K, GGML_Q6_K, 0, permute_x)};
+
+/*
+ * y[m, n] = sum_k W[n, k] * x[m, k] + bias[n] (bias may be NULL), for m < M tokens and n < N rows, W in the
+ * format of ggml type id `ggml_type` (Q4_K, Q5_K or Q6_K), N rows of K / 256 super-blocks each, contiguous.
+ * Returns 0; -1 (y untouched) for another type or a K that is not a positive multiple of 256; -2 if scratch
+ * memory ran out.
+ */
+int kquant_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx, const uint8_t *w,
+                      const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type, int num_threads) {
+    return block_linear_f32(block_format_of(FORMAT_TABLE, FORMATS, ggml_type), y, ldy_token, ldy_row, x, ldx, w,
+                            bias, M, N, K, num_threads);
 }
 
 /*
@@ -467,9 +298,5 @@ static void dequantize_row(float *out, const uint8_t *row, int64_t K, int ggml_t
  * untouched) for another type or a K that is not a positive multiple of 256.
  */
 int kquant_dequantize_f32(float *out, const uint8_t *w, int64_t N, int64_t K, int ggml_type, int num_threads) {
-    const enum format format = format_of(ggml_type);
-    if (format == FORMATS || K <= 0 || K % QK_K != 0) return -1;
-    dequantize_job job = {out, w, K, format};
-    parallel_for(N, grain_rows(K, 1), num_threads, dequantize_rows, &job);
-    return 0;
+    return block_dequantize_f32(block_format_of(FORMAT_TABLE, FORMATS, ggml_type), out, w, N, K, num_threads);
 }
