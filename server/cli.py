@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import uvicorn
 
 from pagedserve.engine.client.async_engine import AsyncEngine
-from pagedserve.engine.worker.weights.checkpoint import EMBEDDED_NAME
+from pagedserve.engine.worker import EMBEDDED_NAME
 from pagedserve.server import offline
 from pagedserve.server.app import create_app
 from pagedserve.server.benchmark.command import add_bench_commands

@@ -15,11 +15,11 @@ from fastapi import Request
 
 from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.engine.client.async_stream import EngineUnavailableError
-from pagedserve.engine.worker.weights.checkpoint import EMBEDDED_NAME
-from pagedserve.server.bodies import Envelope
+from pagedserve.engine.worker import EMBEDDED_NAME
 from pagedserve.server.errors import APIError, engine_unavailable
-from pagedserve.server.logprobs import TokenTexts
+from pagedserve.server.logprobs import TokenText
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.protocol import Envelope
 from pagedserve.server.reasoning import reasoning_parser_for_template
 from pagedserve.server.tool_parsers import parser_for_template
 
@@ -51,11 +51,16 @@ class ServingContext:
         self.draining = False  # set on shutdown, so /ready turns 503 before the listener closes
         self.in_flight = 0  # requests that arrived before draining began (RequestContextMiddleware)
         self._sequence = itertools.count()
-        self._token_texts: TokenTexts | None = None
 
     def check_model(self, name: str) -> None:
         if name not in self.settings.served_model_names:
             raise APIError(404, f"the model {name!r} does not exist", code="model_not_found", param="model")
+
+    def engine_for(self, model: str | None) -> AsyncEngine:
+        """The ready engine, for a request naming one of the served models (or none, where that is optional)."""
+        if model is not None:
+            self.check_model(model)
+        return self.ready_engine()
 
     def ready_engine(self) -> AsyncEngine:
         if self.draining:
@@ -88,23 +93,22 @@ class ServingContext:
     def tool_call_parser(self) -> str:
         """The parser for the model's tool-call format (needs the loaded engine)."""
         chosen = self.settings.tool_call_parser
-        return parser_for_template(self.engine.tokenizer.hf.chat_template) if chosen == "auto" else chosen
+        return parser_for_template(self.engine.tokenizer.chat_template) if chosen == "auto" else chosen
 
     @functools.cached_property
     def splits_reasoning(self) -> bool:
         """Whether replies start with reasoning in <think> tags (needs the loaded engine)."""
         chosen = self.settings.reasoning_parser
         return (
-            reasoning_parser_for_template(self.engine.tokenizer.hf.chat_template)
+            reasoning_parser_for_template(self.engine.tokenizer.chat_template)
             if chosen == "auto"
             else chosen == "think"
         )
 
     @property
-    def token_texts(self) -> TokenTexts:
-        if self._token_texts is None:
-            self._token_texts = TokenTexts(self.engine.tokenizer.hf)
-        return self._token_texts
+    def token_text(self) -> TokenText:
+        """A token id's text, for logprobs (needs the loaded engine)."""
+        return self.engine.tokenizer.token_text
 
 
 def serving(request: Request) -> ServingContext:

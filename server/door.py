@@ -2,11 +2,11 @@
 
 The HTTP protocol (server/http_protocol.py) asks the door about each request the moment its headers are in,
 inside the event loop's read callback, before any ASGI task exists. An admitted request leaves with a reserved
-place in the engine's waiting queue (in its scope's state, where LoadSheddingMiddleware takes it); a refused one
-gets its whole 503 + Retry-After answer from here, written by the protocol at once. So in a burst, every request
-the queue cannot take is answered while it is read, never behind the parsing, templating and tokenization of
-the admitted ones, and a refusal costs the parse and one write (vLLM and SGLang refuse only from their
-handlers).
+place in the engine's waiting queue (its AdmissionTicket, server/admission.py, which LoadSheddingMiddleware
+takes); a refused one gets its whole 503 + Retry-After answer from here, written by the protocol at once. So in
+a burst, every request the queue cannot take is answered while it is read, never behind the parsing, templating
+and tokenization of the admitted ones, and a refusal costs the parse and one write (vLLM and SGLang refuse only
+from their handlers).
 
 The door only refuses what the app would refuse the same way, with the same answer, request-log line and HTTP
 metrics: a request it is unsure of (draining, an unauthorized key, a CORS origin whose headers the app adds)
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine import QueueFullError
+from pagedserve.server.admission import AdmissionTicket, put_ticket
 from pagedserve.server.context import ServingContext
 from pagedserve.server.errors import to_api_error
-from pagedserve.server.generation import RESERVATION
 from pagedserve.server.logs import RequestRecord
 from pagedserve.server.middleware import GENERATION_PATHS, REQUEST_ID_HEADER, bearer_key_matches, valid_request_id
 
@@ -50,7 +50,7 @@ class Door:
         self._cors = bool(settings.cors_allowed_origins)
 
     def admit(self, method: str, path: str, full_path: str, headers: Headers, state: dict[str, Any]) -> Refusal | None:
-        """None lets the app answer (with a place reserved in `state` when one was free); a Refusal is the
+        """None lets the app answer (with a place reserved in `state`'s ticket when one was free); a Refusal is the
         answer, already logged and counted. `path` is what the routes match, `full_path` the request's own
         (behind --root-path, the root path in front)."""
         if method != "POST" or path not in GENERATION_PATHS or self.serving.draining:
@@ -65,7 +65,7 @@ class Door:
         except QueueFullError as exc:
             return self._refuse(exc, path, full_path, named.get(_REQUEST_ID, b""))
         if reservation is not None:
-            state[RESERVATION] = reservation
+            put_ticket(state, AdmissionTicket(reservation))
         return None
 
     def _refuse(self, exc: QueueFullError, path: str, full_path: str, incoming_id: bytes) -> Refusal:

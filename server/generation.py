@@ -1,10 +1,11 @@
-"""What chat and completions share: starting engine requests, merging their streams, disconnects."""
+"""What the generation endpoints (chat, completions, responses) share: their handlers' opening, starting
+engine requests, merging their streams, disconnects."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -12,16 +13,63 @@ from starlette.requests import Request
 from pagedserve.engine import CompletionOutput, QueueFullError, SamplingParams, SequenceDelta
 from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.engine.client.async_stream import EngineUnavailableError, RequestStream, Reservation
-from pagedserve.server.errors import ClientDisconnected, server_error, to_api_error
+from pagedserve.server.admission import reserved_place
+from pagedserve.server.context import serving
+from pagedserve.server.errors import APIError, ClientDisconnected, server_error, to_api_error
 from pagedserve.server.logs import RequestRecord
 
 T = TypeVar("T")
 Streams = list[RequestStream]
-RESERVATION = "queue_reservation"  # request.state's: the queue place LoadSheddingMiddleware reserved
 
 
-def reserved_place(request: Request) -> Reservation | None:
-    return getattr(request.state, RESERVATION, None)
+class Generation:
+    """A generation request from its handler's opening: the serving context and its ready engine, for a served
+    model; the request's id and log record; ValueErrors as the client's errors; its engine requests started on
+    its admitted queue place; the whole answer collected unless the client hangs up.
+
+    `restate` rewrites, in place, the errors it raises, for an endpoint that names a field differently.
+    """
+
+    def __init__(self, request: Request, model: str, restate: Callable[[APIError], None] | None = None) -> None:
+        self.ctx = serving(request)
+        self.engine = self.ctx.engine_for(model)
+        self.request_id: str = request.state.request_id
+        self.record: RequestRecord = request.state.record
+        self._request = request
+        self._restate = restate
+
+    @contextlib.contextmanager
+    def client_errors(self, prompt_param: str) -> Iterator[None]:
+        """A ValueError raised inside (a bad field, a prompt over the context) is the client's error, naming the
+        field its message names, else `prompt_param`."""
+        try:
+            yield
+        except ValueError as exc:
+            error = to_api_error(exc, prompt_param)
+            self._restated(error)
+            raise error from exc
+
+    async def start(
+        self, prompts: list[list[int]], params: SamplingParams, prompt_param: str, queue_timeout: float | None
+    ) -> Streams:
+        """The request's engine requests (start_streams), its prompt tokens counted in its record."""
+        engine_id = self.ctx.engine_request_id(self.request_id)
+        place = reserved_place(self._request)
+        try:
+            streams = await start_streams(self.engine, engine_id, prompts, params, prompt_param, queue_timeout, place)
+        except APIError as error:
+            self._restated(error)
+            raise
+        self.record.prompt_tokens = sum(len(prompt) for prompt in prompts)
+        return streams
+
+    async def collect(self, streams: Streams, n: int) -> list[CompletionOutput]:
+        """The whole outputs (collect), unless the client hangs up first."""
+        return await unless_disconnected(self._request, collect(streams, n, self.record))
+
+    def _restated(self, error: APIError) -> None:
+        if self._restate is not None:
+            self._restate(error)
 
 
 async def start_streams(

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
-from transformers import PreTrainedTokenizerBase
+from collections.abc import Callable
 
 from pagedserve.engine import TokenLogprob
 from pagedserve.engine.outputs import PromptLogprobs
-from pagedserve.server.bodies import (
+from pagedserve.server.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
@@ -20,64 +18,55 @@ from pagedserve.server.bodies import (
 # JSON has no -inf; OpenAI clients expect a finite number for impossible tokens.
 MIN_LOGPROB = -9999.0
 
-
-def decode(tokenizer: PreTrainedTokenizerBase, token_ids: list[int]) -> str:
-    text = tokenizer.decode(token_ids)
-    assert isinstance(text, str)  # a list comes back only for batched input
-    return text
-
-
-class TokenTexts:
-    """Token id -> its text, cached: the same few thousand tokens come back all the time."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: decode(tokenizer, [token_id]))
+TokenText = Callable[[int], str]  # a token id's text: PromptTokenizer.token_text
 
 
 def _finite(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
-def _top(texts: TokenTexts, token_id: int, logprob: float) -> TopLogprob:
-    text = texts.text(token_id)
+def _top(token_text: TokenText, token_id: int, logprob: float) -> TopLogprob:
+    text = token_text(token_id)
     return TopLogprob(token=text, logprob=_finite(logprob), bytes=list(text.encode()))
 
 
-def chat_logprobs(items: list[TokenLogprob], texts: TokenTexts) -> ChatLogprobs:
+def chat_logprobs(items: list[TokenLogprob], token_text: TokenText) -> ChatLogprobs:
     content = [
         ChatTokenLogprob(
-            **_top(texts, item.token_id, item.logprob).model_dump(),
-            top_logprobs=[_top(texts, token_id, logprob) for token_id, logprob in item.top],
+            **_top(token_text, item.token_id, item.logprob).model_dump(),
+            top_logprobs=[_top(token_text, token_id, logprob) for token_id, logprob in item.top],
         )
         for item in items
     ]
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(items: list[TokenLogprob], texts: TokenTexts, first_offset: int) -> CompletionLogprobs:
+def completion_logprobs(items: list[TokenLogprob], token_text: TokenText, first_offset: int) -> CompletionLogprobs:
     """`first_offset`: where the first of these tokens starts in the choice's text."""
-    tokens = [texts.text(item.token_id) for item in items]
+    tokens = [token_text(item.token_id) for item in items]
     return CompletionLogprobs(
         tokens=tokens,
         token_logprobs=[_finite(item.logprob) for item in items],
-        top_logprobs=[_top_dict(texts, item) for item in items],
+        top_logprobs=[_top_dict(token_text, item) for item in items],
         text_offset=_offsets(tokens, first_offset),
     )
 
 
-def echoed_prompt_logprobs(prompt_token_ids: list[int], items: PromptLogprobs, texts: TokenTexts) -> CompletionLogprobs:
+def echoed_prompt_logprobs(
+    prompt_token_ids: list[int], items: PromptLogprobs, token_text: TokenText
+) -> CompletionLogprobs:
     """An echoed prompt's part of a choice's logprobs; its first token has none (null), as OpenAI did."""
-    tokens = [texts.text(token_id) for token_id in prompt_token_ids]
+    tokens = [token_text(token_id) for token_id in prompt_token_ids]
     return CompletionLogprobs(
         tokens=tokens,
         token_logprobs=[None if item is None else _finite(item.logprob) for item in items],
-        top_logprobs=[None if item is None else _top_dict(texts, item) for item in items],
+        top_logprobs=[None if item is None else _top_dict(token_text, item) for item in items],
         text_offset=_offsets(tokens, 0),
     )
 
 
-def _top_dict(texts: TokenTexts, item: TokenLogprob) -> dict[str, float]:
-    return {texts.text(token_id): _finite(logprob) for token_id, logprob in item.top}
+def _top_dict(token_text: TokenText, item: TokenLogprob) -> dict[str, float]:
+    return {token_text(token_id): _finite(logprob) for token_id, logprob in item.top}
 
 
 def _offsets(tokens: list[str], start: int) -> list[int]:
@@ -88,13 +77,13 @@ def _offsets(tokens: list[str], start: int) -> list[int]:
     return offsets
 
 
-def vllm_prompt_logprobs(items: PromptLogprobs, texts: TokenTexts) -> PromptLogprobsOut:
+def vllm_prompt_logprobs(items: PromptLogprobs, token_text: TokenText) -> PromptLogprobsOut:
     """vLLM's `prompt_logprobs`: per prompt token, the token and the top k by id, with rank and text."""
 
     def entries(item: TokenLogprob) -> dict[str, PromptTokenLogprob]:
         top = ((token_id, logprob, rank) for rank, (token_id, logprob) in enumerate(item.top, start=1))
         return {
-            str(token_id): PromptTokenLogprob(logprob=_finite(logprob), rank=rank, decoded_token=texts.text(token_id))
+            str(token_id): PromptTokenLogprob(logprob=_finite(logprob), rank=rank, decoded_token=token_text(token_id))
             for token_id, logprob, rank in [(item.token_id, item.logprob, item.rank), *top]
         }
 

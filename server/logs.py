@@ -20,7 +20,7 @@ from uvicorn.config import LOGGING_CONFIG
 from uvicorn.logging import AccessFormatter, DefaultFormatter
 
 from pagedserve.engine import SequenceDelta
-from pagedserve.server.bodies import PromptTokensDetails, Usage
+from pagedserve.server.protocol import PromptTokensDetails, Usage
 
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -15,9 +15,9 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.engine import QueueFullError
+from pagedserve.server.admission import AdmissionTicket, put_ticket, ticket_in
 from pagedserve.server.context import ServingContext
 from pagedserve.server.errors import CLIENT_CLOSED_REQUEST, APIError, internal_error, invalid_request, to_api_error
-from pagedserve.server.generation import RESERVATION
 from pagedserve.server.logs import RequestRecord
 
 logger = logging.getLogger(__name__)
@@ -205,8 +205,9 @@ class LoadSheddingMiddleware:
     Each generation request brings the place the protocol's door reserved as its headers were parsed
     (server/door.py), or reserves it here (AsyncEngine.reserve_place), then yields once to the event loop: in a
     burst, every request is admitted or refused before any admitted one parses its body, so the refusals do not
-    wait behind that work. The handler hands the reservation to generate(), which may still
-    refuse the request (n places needed, not one); a request that never gets there gives its place back.
+    wait behind that work. Its AdmissionTicket (server/admission.py) carries the place to the handler, which
+    hands it to generate(), which may still refuse the request (n places needed, not one); a request that never
+    gets there gives its place back.
     """
 
     def __init__(self, app: ASGIApp, serving: ServingContext) -> None:
@@ -218,9 +219,10 @@ class LoadSheddingMiddleware:
             await self.app(scope, receive, send)
             return
         state = scope.setdefault("state", {})
+        ticket = ticket_in(state)  # admitted at the door (server/door.py) when the protocol has one, else here
         try:
-            # Admitted at the door (server/door.py) when the protocol has one, else here.
-            reservation = state[RESERVATION] if RESERVATION in state else self.serving.engine.reserve_place()
+            if ticket is None:
+                ticket = AdmissionTicket(self.serving.engine.reserve_place())
         except QueueFullError as exc:
             scope["route"] = _RouteLabel(route_path(scope))
             error = to_api_error(exc, "prompt")
@@ -229,13 +231,13 @@ class LoadSheddingMiddleware:
                 record.error_code = error.code
             await error.response()(scope, receive, send)
             return
-        state[RESERVATION] = reservation
+        put_ticket(state, ticket)
         try:
             await asyncio.sleep(0)  # the rest of a burst is admitted or refused before this request's work
             await self.app(scope, receive, send)
         finally:
-            if reservation is not None:
-                reservation.release()
+            if ticket.place is not None:
+                ticket.place.release()
 
 
 def route_path(scope: Scope) -> str:

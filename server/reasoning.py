@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
+from pagedserve.server.tool_parsers.base import partial_marker_length
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -42,14 +44,6 @@ class _Phase(Enum):
     REASONING = auto()
     AFTER_REASONING = auto()  # whitespace before the answer, dropped
     CONTENT = auto()
-
-
-def _partial_marker_length(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that begins `marker`: the split may have cut the marker there."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:length]):
-            return length
-    return 0
 
 
 class ReasoningStream:
@@ -112,7 +106,7 @@ class ReasoningStream:
             self._buffer = self._buffer[end + len(THINK_END) :]
             self._phase = _Phase.AFTER_REASONING
             return True
-        sendable = len(self._buffer) - (0 if final else _partial_marker_length(self._buffer, THINK_END))
+        sendable = len(self._buffer) - (0 if final else partial_marker_length(self._buffer, THINK_END))
         self._reasoning.append(self._buffer[:sendable])
         self._buffer = self._buffer[sendable:]
         return False

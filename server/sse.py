@@ -1,7 +1,8 @@
 """Streaming answers as Server-Sent Events: chunks as deltas arrive, then usage, then `data: [DONE]`.
 
 A stream that fails after it started cannot change its status any more: it ends with one
-`data: {"error": {...}}` event and no [DONE].
+`data: {"error": {...}}` event and no [DONE] (the Responses API's streams end their own way, on the same
+StreamFailure).
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 from pydantic import BaseModel
@@ -17,10 +19,10 @@ from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from pagedserve.engine import SequenceDelta
-from pagedserve.server.bodies import Usage
-from pagedserve.server.errors import as_api_error
+from pagedserve.server.errors import APIError, as_api_error
 from pagedserve.server.generation import Streams, close_all, recorded
 from pagedserve.server.logs import RequestRecord
+from pagedserve.server.protocol import Usage
 
 Event = dict[str, str]
 
@@ -38,6 +40,29 @@ class ChunkFormatter(Protocol):
     def on_usage(self, usage: Usage) -> BaseModel: ...
 
 
+@dataclass
+class StreamFailure:
+    """Why a stream that had started failed, once it has (the error it ends with)."""
+
+    error: APIError | None = None
+
+
+@contextlib.contextmanager
+def failure_recorded(record: RequestRecord) -> Iterator[StreamFailure]:
+    """Around the part of a started stream that may fail, for the chat, completions and responses streams alike:
+    a client hanging up (the stream torn down) is recorded as client_closed and raised on; any other exception
+    stops there, recorded, as the StreamFailure's error, which the stream then ends with."""
+    failure = StreamFailure()
+    try:
+        yield failure
+    except asyncio.CancelledError:
+        record.error_code = "client_closed"
+        raise
+    except Exception as exc:
+        failure.error = as_api_error(exc)
+        record.error_code = failure.error.code
+
+
 def sse_response(events: AsyncIterator[Event], streams: Streams) -> EventSourceResponse:
     # The background task is the safety net when the stream never starts (client gone before the first byte).
     return EventSourceResponse(events, sep="\n", background=BackgroundTask(close_all, streams))
@@ -53,7 +78,7 @@ async def sse_events(
 
     for chunk in formatter.opening():
         yield event(chunk)
-    try:
+    with failure_recorded(record) as failure:
         async with contextlib.aclosing(recorded(streams, record)) as deltas:
             async for prompt_index, delta in deltas:
                 choice = prompt_index * n + delta.index
@@ -62,13 +87,8 @@ async def sse_events(
                 if delta.finish_reason is not None:
                     for chunk in formatter.on_finish(choice, delta.finish_reason):
                         yield event(chunk)
-    except asyncio.CancelledError:  # the client hung up: the stream is being torn down
-        record.error_code = "client_closed"
-        raise
-    except Exception as exc:
-        error = as_api_error(exc)
-        record.error_code = error.code
-        yield {"data": json.dumps(error.body())}
+    if failure.error is not None:
+        yield {"data": json.dumps(failure.error.body())}
         return
     if include_usage:
         yield event(formatter.on_usage(record.usage()))

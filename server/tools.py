@@ -1,7 +1,7 @@
 """Tool calling for chat completions: what `tools` and `tool_choice` ask of the engine, and the calls read back.
 
 - `none`: tools are shown to the model (the chat template renders them) and the reply is plain content.
-- `auto`: the model chooses; its calls are read back by the parser for its format (server/tool_parsers.py).
+- `auto`: the model chooses; its calls are read back by the parser for its format (server/tool_parsers/).
 - `required`: a grammar forces a JSON array of one call or more (one when parallel_tool_calls is false), each
   `{"name": <a tool's name>, "parameters": <arguments matching its schema>}`, as vLLM does.
 - a named function: a grammar forces the arguments of that function, which are the whole reply.
@@ -21,8 +21,8 @@ from pydantic_core import PydanticCustomError
 
 from pagedserve.engine import StructuredOutput
 from pagedserve.server.errors import FieldError
-from pagedserve.server.tool_parsers import (
-    PARSERS,
+from pagedserve.server.tool_parsers import PARSERS
+from pagedserve.server.tool_parsers.base import (
     ContentDelta,
     ParsedReply,
     ParsedToolCall,

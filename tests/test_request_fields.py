@@ -16,7 +16,8 @@ from pagedserve.engine import EngineConfig
 from pagedserve.engine.text.tokenizer import apply_chat_template
 from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, fields
-from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.server.chat.protocol import ChatCompletionRequest
+from pagedserve.server.completions.protocol import CompletionRequest
 from tests.servers import served_engine
 from tests.test_server_errors import assert_error
 

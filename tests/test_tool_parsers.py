@@ -9,11 +9,14 @@ import pytest
 
 from pagedserve.server.tool_parsers import (
     PARSERS,
-    ContentDelta,
     HermesParser,
     JsonArrayParser,
     Llama3JsonParser,
     MistralParser,
+    parser_for_template,
+)
+from pagedserve.server.tool_parsers.base import (
+    ContentDelta,
     ParsedReply,
     ParsedToolCall,
     StreamEvent,
@@ -21,7 +24,6 @@ from pagedserve.server.tool_parsers import (
     ToolCallStart,
     ToolCallStream,
     ToolParser,
-    parser_for_template,
 )
 
 ARGUMENTS = {

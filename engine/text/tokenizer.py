@@ -7,7 +7,7 @@ import concurrent.futures
 import contextlib
 import functools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,6 +18,7 @@ from pagedserve.engine.text.tool_template import Tool, messages_and_tools_for_te
 
 T = TypeVar("T")
 INLINE_MAX_CHARS = 4096
+TOKEN_TEXT_CACHE = 1 << 16  # token texts kept: the same few thousand tokens come back all the time
 MESSAGE_WEIGHT_CHARS = 64  # a message's cost to render, counted as this many characters of text
 
 
@@ -76,6 +77,9 @@ class PromptTokenizer:
     The tokenizers library releases the GIL while it encodes, so a 1 MB prompt on a pool thread leaves the
     event loop free to answer other requests meanwhile. Short texts encode in place: that takes well under a
     millisecond, less than the hop to a pool thread and back (which waits for the GIL on a busy process).
+
+    The server uses the tokenizer through this class only (decode, token_text, chat_template), never through
+    the library's object in `hf`.
     """
 
     def __init__(
@@ -84,10 +88,29 @@ class PromptTokenizer:
         self.hf = tokenizer
         self._guard = None if trust_message_special_tokens else MessageTextGuard(tokenizer)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="pagedserve-tokenizer")
+        self._token_texts = functools.lru_cache(maxsize=TOKEN_TEXT_CACHE)(self._one_token_text)
 
     @classmethod
     def load(cls, path: str | Path, trust_message_special_tokens: bool = False) -> PromptTokenizer:
         return cls(load_tokenizer(path), trust_message_special_tokens=trust_message_special_tokens)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template as its tokenizer holds it (None: it has none)."""
+        return self.hf.chat_template
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`, special tokens included."""
+        text = self.hf.decode(list(token_ids))
+        assert isinstance(text, str)  # a list comes back only for batched input
+        return text
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as decode gives it (cached)."""
+        return self._token_texts(token_id)
+
+    def _one_token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         with _invalid_text_as_value_error(text):

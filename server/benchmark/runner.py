@@ -63,10 +63,7 @@ def default_tokenizer(model: str) -> str:
     """The served model when it names a local folder, else the embedded SmolLM2 (pagedserve's default)."""
     if Path(model).exists():
         return model
-    from pagedserve.engine.worker.weights.checkpoint import (  # torch: only when needed
-        embedded_gguf_path,
-        materialize_gguf,
-    )
+    from pagedserve.engine.worker import embedded_gguf_path, materialize_gguf  # torch: only when needed
 
     return str(materialize_gguf(embedded_gguf_path()))
 

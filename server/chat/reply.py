@@ -6,19 +6,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from pagedserve.engine import CompletionOutput, SequenceDelta, TokenLogprob
-from pagedserve.server.bodies import (
+from pagedserve.server.chat.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatLogprobs,
-    ToolCall,
-    Usage,
+    ChatCompletionRequest,
 )
 from pagedserve.server.context import ServingContext
 from pagedserve.server.logprobs import chat_logprobs, vllm_prompt_logprobs
-from pagedserve.server.protocol import ChatCompletionRequest
+from pagedserve.server.protocol import ChatLogprobs, ToolCall, Usage
 from pagedserve.server.reasoning import ReasoningStream, split_reasoning
 from pagedserve.server.tools import ReplyStream, ToolPlan, read_reply, tool_call_object
 
@@ -53,7 +51,7 @@ class ChatReply:
                 ChatChoice(index=output.index, message=message, logprobs=logprobs, finish_reason=finish_reason)
             )
         prompt = outputs[0].prompt_logprobs if self._prompt_logprobs and outputs else None
-        scored = None if prompt is None else vllm_prompt_logprobs(prompt, self._ctx.token_texts)
+        scored = None if prompt is None else vllm_prompt_logprobs(prompt, self._ctx.token_text)
         return ChatCompletion(**self._envelope, choices=choices, usage=usage, prompt_logprobs=scored)
 
     def message(self, text: str) -> AssistantMessage:
@@ -99,7 +97,7 @@ class ChatReply:
         return ChatCompletionChunk(**self._envelope, choices=[choice])
 
     def _logprobs(self, items: list[TokenLogprob] | None) -> ChatLogprobs | None:
-        return None if items is None else chat_logprobs(items, self._ctx.token_texts)
+        return None if items is None else chat_logprobs(items, self._ctx.token_text)
 
 
 class ChoiceStream:

@@ -12,12 +12,11 @@ from pagedserve.engine import CompletionOutput, SequenceDelta, TokenLogprob
 from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.engine.outputs import PromptLogprobs
 from pagedserve.engine.validation import check_admissible
-from pagedserve.server.bodies import Completion, CompletionChoice, CompletionLogprobs, PromptLogprobsOut, Usage
-from pagedserve.server.context import ServingContext, serving
-from pagedserve.server.errors import to_api_error
-from pagedserve.server.generation import collect, reserved_place, start_streams, unless_disconnected
-from pagedserve.server.logprobs import completion_logprobs, decode, echoed_prompt_logprobs, vllm_prompt_logprobs
-from pagedserve.server.protocol import CompletionRequest
+from pagedserve.server.completions.protocol import Completion, CompletionChoice, CompletionRequest
+from pagedserve.server.context import ServingContext
+from pagedserve.server.generation import Generation
+from pagedserve.server.logprobs import completion_logprobs, echoed_prompt_logprobs, vllm_prompt_logprobs
+from pagedserve.server.protocol import CompletionLogprobs, PromptLogprobsOut, Usage
 from pagedserve.server.sse import sse_events, sse_response
 
 logger = logging.getLogger(__name__)
@@ -26,40 +25,33 @@ router = APIRouter(tags=["openai"])
 
 @router.post("/v1/completions", response_model=Completion)
 async def create_completion(body: CompletionRequest, request: Request) -> Response | Completion:
-    ctx = serving(request)
-    ctx.check_model(body.model)
-    engine = ctx.ready_engine()
-    try:
+    call = Generation(request, body.model)
+    engine, record = call.engine, call.record
+    with call.client_errors("prompt"):
         params = body.sampling_params()
         check_admissible(engine.limits, len(body.prompts), params.n)  # before tokenizing: it costs nothing
         prompts = [await engine.encode_prompt(prompt) for prompt in body.prompts]
-    except ValueError as exc:
-        raise to_api_error(exc, "prompt") from exc
-    request_id, record = request.state.request_id, request.state.record
-    engine_id, reservation = ctx.engine_request_id(request_id), reserved_place(request)
-    streams = await start_streams(engine, engine_id, prompts, params, "prompt", body.timeout, reservation)
-    record.prompt_tokens = sum(len(prompt) for prompt in prompts)
+    streams = await call.start(prompts, params, "prompt", body.timeout)
     logger.debug(
         "request %s: completion, %d prompts, %d prompt tokens, n=%d, stream=%s",
-        request_id,
+        call.request_id,
         len(prompts),
         record.prompt_tokens,
         params.n,
         body.stream,
     )
-    reply = CompletionReply(ctx, body, prompts, _echoes(engine, body, prompts), params.n)
+    reply = CompletionReply(call.ctx, body, prompts, _echoes(engine, body, prompts), params.n)
     if body.stream:
         return sse_response(sse_events(reply, streams, params.n, record, body.include_usage), streams)
-    outputs = await unless_disconnected(request, collect(streams, params.n, record))
-    return reply.completion(outputs, record.usage())
+    return reply.completion(await call.collect(streams, params.n), record.usage())
 
 
 def _echoes(engine: AsyncEngine, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
     """The text each choice starts with: its prompt with echo, else nothing."""
     if not body.echo:
         return [""] * len(prompts)
-    tokenizer = engine.tokenizer.hf
-    return [p if isinstance(p, str) else decode(tokenizer, ids) for p, ids in zip(body.prompts, prompts)]
+    tokenizer = engine.tokenizer
+    return [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(body.prompts, prompts)]
 
 
 class CompletionReply:
@@ -127,7 +119,7 @@ class CompletionReply:
         tail = self._generated_logprobs(choice, generated)
         if not (self._echo_logprobs and prompt is not None):
             return tail
-        head = echoed_prompt_logprobs(self._prompts[choice // self._n], prompt, self._ctx.token_texts)
+        head = echoed_prompt_logprobs(self._prompts[choice // self._n], prompt, self._ctx.token_text)
         if tail is not None:
             for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                 getattr(head, name).extend(getattr(tail, name))
@@ -136,7 +128,7 @@ class CompletionReply:
     def _generated_logprobs(self, choice: int, items: list[TokenLogprob] | None) -> CompletionLogprobs | None:
         if items is None:
             return None
-        logprobs = completion_logprobs(items, self._ctx.token_texts, self._text_offsets[choice])
+        logprobs = completion_logprobs(items, self._ctx.token_text, self._text_offsets[choice])
         if logprobs.tokens:
             self._text_offsets[choice] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         return logprobs
@@ -144,4 +136,4 @@ class CompletionReply:
     def _vllm(self, prompt: PromptLogprobs | None) -> PromptLogprobsOut | None:
         if not self._vllm_prompt_logprobs or prompt is None:
             return None
-        return vllm_prompt_logprobs(prompt, self._ctx.token_texts)
+        return vllm_prompt_logprobs(prompt, self._ctx.token_text)

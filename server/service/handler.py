@@ -7,11 +7,16 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
-from pagedserve.server.bodies import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from pagedserve.server.context import VERSION, serving
 from pagedserve.server.errors import invalid_request, to_api_error
-from pagedserve.server.logprobs import decode
-from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from pagedserve.server.service.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 router = APIRouter()
 
@@ -58,10 +63,7 @@ async def server_version() -> dict[str, str]:
 
 @router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    ctx = serving(request)
-    if body.model is not None:
-        ctx.check_model(body.model)
-    engine = ctx.ready_engine()
+    engine = serving(request).engine_for(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise invalid_request("send exactly one of prompt and messages", "invalid_value")
     try:
@@ -76,14 +78,11 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 
 @router.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    ctx = serving(request)
-    if body.model is not None:
-        ctx.check_model(body.model)
-    engine = ctx.ready_engine()
+    engine = serving(request).engine_for(body.model)
     vocab_size = engine.limits.vocab_size
     if any(not 0 <= token < vocab_size for token in body.tokens):
         raise invalid_request(f"tokens must be token ids in [0, {vocab_size})", "invalid_value", "tokens")
-    return DetokenizeResponse(prompt=decode(engine.tokenizer.hf, body.tokens))
+    return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
 
 
 @router.post("/reset_prefix_cache", tags=["admin"])
