@@ -54,7 +54,7 @@ PROJECTIONS = (
     ("down_proj", 576, 1536),
     ("lm_head", 49152, 576),
 )
-# One layer as the engine lays it out (engine/models/llama.py): q/k/v and gate/up fused.
+# One layer as the engine lays it out (engine/worker/models/llama.py): q/k/v and gate/up fused.
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 LM_HEAD = (49152, 576)
 NUM_LAYERS = 30

@@ -13,7 +13,7 @@ SmolLM2's shape with 12 heads of 48 and 6 KV heads, random weights (timing does 
 `--quantization` keeps each rank's projections in a block format: quantized at load (random weights), or with
 `auto` the stored blocks of the GGUF file `--model` names (its weights are read, not random).
 
-The second compares the two ways of sending a step to the other ranks (engine/distributed/commands.py): two
+The second compares the two ways of sending a step to the other ranks (engine/worker/distributed/commands.py): two
 broadcasts of int64 tensors, or a pickled batch (what `broadcast_object_list` does: a size, then the bytes),
 each followed by the receivers rebuilding the batch.
 """

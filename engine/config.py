@@ -25,7 +25,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto = read the weights; dummy = keep random weights (benchmarks)
     # auto: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K projections stay in blocks on the CPU; gguf: on CUDA too;
     # none: float; one of those formats (q8_0 ... q6_k): every projection quantized to it at load. Split over
-    # ranks, each rank keeps its shards in blocks (engine/on_load_quantization.py, engine/gguf_weights.py)
+    # ranks, each rank keeps its shards in blocks (engine/worker/weights/: on_load_quantization.py, gguf.py)
     quantization: str = "auto"
 
     # KV cache

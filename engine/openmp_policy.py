@@ -7,7 +7,7 @@ while it waits (kernels/csrc/parallel.c), loses its core to them (22-28% of offl
 one profiled A/B). So they sleep; waking them costs a little on each parallel region, which even on a quiet
 host a spin no longer wins back (GOMP_SPINCOUNT; benchmarks/omp_wait.py and the README). OpenMP reads the
 policy once, when torch loads: imported after torch, this module can only say so. The engine core process
-(engine/core_process.py) inherits os.environ as set here, so its torch always starts with the policy.
+(engine/core/process.py) inherits os.environ as set here, so its torch always starts with the policy.
 """
 
 from __future__ import annotations

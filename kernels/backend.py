@@ -45,7 +45,7 @@ class KernelBackend(ABC):
 
     name: str
     # True when a step's launches depend only on device tensors and what `prepare` planned, so a recorded
-    # CUDA graph stays valid for any lengths (see engine/cuda_graphs.py).
+    # CUDA graph stays valid for any lengths (see engine/worker/cuda_graphs.py).
     supports_cuda_graphs: bool = False
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:

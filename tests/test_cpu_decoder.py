@@ -1,4 +1,4 @@
-"""The decoder layers as one native call (engine/models/cpu_decoder.py) against the model's modules: the same
+"""The decoder layers as one native call (engine/worker/native_decoder.py) against the model's modules: the same
 kernels in the same order, so the same tokens and logprobs within float32 rounding (the modules keep a small
 batch feature-major, and the norms then sum each token's features in another order)."""
 

@@ -1,4 +1,4 @@
-"""KV cache sizing (engine/kv_sizing.py) on plain numbers: a config, a hand-written ModelSpec and a fake GPU,
+"""KV cache sizing (engine/worker/kv_sizing.py) on plain numbers: a config, a hand-written ModelSpec and a fake GPU,
 no model load."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """AsyncEngine: the engine's asyncio API. It validates and tokenizes requests here and streams their deltas
-from an engine core (engine/core.py) that runs in a process of its own, or on a thread for a model that is
+from an engine core (engine/core/loop.py) that runs in a process of its own, or on a thread for a model that is
 already loaded in this process.
 
 Requests are checked once, here (engine/validation.py), so bad input and a full waiting queue fail at once

@@ -1,6 +1,6 @@
 """The offline API: `LLM(model=...).generate(prompts, params)`, `.chat(conversations, params)` and `.stream`.
 
-It drives the same engine core as the server (engine/core.py), by default in a process of its own, so its
+It drives the same engine core as the server (engine/core/loop.py), by default in a process of its own, so its
 throughput does not depend on what the program imported first; `engine_process=False` keeps the core on a
 thread of this process.
 """

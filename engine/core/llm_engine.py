@@ -1,4 +1,4 @@
-"""LLMEngine: requests in, per-step token deltas out. Synchronous; the engine core (engine/core.py) drives it."""
+"""LLMEngine: requests in, per-step token deltas out. Synchronous; the engine core (engine/core/loop.py) drives it."""
 
 from __future__ import annotations
 

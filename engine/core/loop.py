@@ -1,6 +1,6 @@
 """EngineCore: the loop that owns an LLMEngine; commands in, one StepOutput per iteration out.
 
-It runs wherever its transport puts it (engine/core_process.py): a process of its own for servers and the
+It runs wherever its transport puts it (engine/core/process.py): a process of its own for servers and the
 offline API, or a thread beside the caller. Only this loop touches the LLMEngine.
 """
 

@@ -1,6 +1,6 @@
 """What crosses between the engine's public API and its core, in either direction (picklable dataclasses).
 
-The core may run on a thread of the caller's process or in a process of its own (engine/core_process.py):
+The core may run on a thread of the caller's process or in a process of its own (engine/core/process.py):
 the messages are the same, so the two differ only in how they travel.
 """
 
@@ -83,7 +83,7 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0  # tokens
     num_preemptions: int = 0
-    constrained_requests: int = 0  # requests with structured output (engine/constraints.py's counters)
+    constrained_requests: int = 0  # requests with structured output (engine/structured/constraints.py's counters)
     grammar_compile_seconds: float = 0.0
     grammar_mask_seconds: float = 0.0
     grammar_mask_wait_seconds: float = 0.0

@@ -4,7 +4,7 @@ A process of its own is the default for servers and the offline API: the core's 
 GIL with HTTP and tokenization, and it starts with its own thread settings (OMP_WAIT_POLICY=PASSIVE before
 torch loads) whatever its caller imported first. It is started with `python -m` rather than
 multiprocessing, so it never re-imports the caller's main module, and it talks over a socketpair with
-pickled messages (engine/core_messages.py). Either side going away ends the other: the core exits when its
+pickled messages (engine/core/messages.py). Either side going away ends the other: the core exits when its
 socket closes, and the caller's receive() raises CoreGone when the core's does.
 """
 

@@ -4,7 +4,7 @@
  * At one stream a decode step multiplies each weight once and does little else: with the projections kept as
  * ggml blocks (quantized_linear.c) the arithmetic of a 135M-parameter model takes about 10 ms, and calling the
  * dozen kernels of each of its 30 layers from Python, one at a time, took as long again. This file runs the
- * same kernels in the same order from C: the Python side (engine/models/cpu_decoder.py) describes the layers'
+ * same kernels in the same order from C: the Python side (engine/worker/native_decoder.py) describes the layers'
  * weights and caches once, then each step is one call.
  *
  * It composes the library's kernels and computes nothing of its own. Activations are token-major ([tokens,

@@ -1,7 +1,7 @@
 """A GGUF file's linear weights kept in their stored block formats (kernels/quantized.py), for the CPU.
 
-The model itself loads from the dequantized directory made once from the file (engine/loader.py): that gives
-every tensor, in float. Then the projections whose blocks the kernels read (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
+The model itself loads from the dequantized directory made once from the file (weights/checkpoint.py): that
+gives every tensor, in float. Then the projections whose blocks the kernels read (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
 Q6_K) take their blocks from the GGUF file instead, fused as the model fuses them (q/k/v, gate/up: a block never
 spans rows, so fusing is stacking rows), and the float copies are dropped. Other types stay dequantized, and so
 does a fused projection whose parts differ in type (a Q4_K_M file stores some v and down projections in Q6_K,
@@ -12,7 +12,7 @@ features, transformers' pairs halves); transformers undoes that when it dequanti
 in its order here too.
 
 Split over tensor-parallel ranks, each rank reads only its shard of each tensor from the memory-mapped file
-(engine/block_shards.py), sliced as the float weights are (LlamaForCausalLM.checkpoint_slice). A row-parallel
+(weights/block_shards.py), sliced as the float weights are (LlamaForCausalLM.checkpoint_slice). A row-parallel
 projection whose rank slice does not fall on its format's blocks stays dequantized, with one log line.
 
 Reading a GGUF file's metadata (its whole vocabulary) takes seconds in gguf-py, so the fused blocks are saved
