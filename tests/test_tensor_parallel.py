@@ -37,7 +37,7 @@ STARTUP_SECONDS = 180
 def worker_processes() -> list[psutil.Process]:
     """Every tensor-parallel rank process below this one (rank 0 may be a core process in between)."""
     return [
-        p for p in psutil.Process().children(recursive=True) if "pagedserve.engine.worker.distributed.worker" in _cmd(p)
+        p for p in psutil.Process().children(recursive=True) if "pagedserve.engine.worker.distributed.rank" in _cmd(p)
     ]
 
 

@@ -126,7 +126,7 @@ def _config_for_ranks(config: EngineConfig, model_dir: Path) -> EngineConfig:
 def _spawn(rendezvous: Rendezvous, rank: int) -> subprocess.Popen:
     # `python -m`, like the core process: nothing re-imports the caller's main module.
     return subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.engine.worker.distributed.worker"],
+        [sys.executable, "-m", "pagedserve.engine.worker.distributed.rank"],
         env={**os.environ, **rendezvous.env_for(rank)},
         stdin=subprocess.DEVNULL,
     )

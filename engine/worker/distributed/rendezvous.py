@@ -41,7 +41,7 @@ class Rendezvous:
         return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]))
 
     def env_for(self, rank: int) -> dict[str, str]:
-        """The variables a rank started by rank 0 reads (`worker.py`)."""
+        """The variables a rank started by rank 0 reads (`rank.py`)."""
         return {
             "MASTER_ADDR": self.host,
             "MASTER_PORT": str(self.port),

@@ -1,4 +1,4 @@
-"""`python -m pagedserve.engine.worker.distributed.worker`: one tensor-parallel rank other than 0.
+"""`python -m pagedserve.engine.worker.distributed.rank`: one tensor-parallel rank other than 0.
 
 Rank 0 starts these on its own host; under an outside launcher (torchrun, one pod per rank) every rank but 0
 runs this module with MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK set. The rank reads the engine config
