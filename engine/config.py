@@ -56,6 +56,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU
     engine_process: bool = True  # the engine core in a process of its own (False: a thread of the caller's)
     engine_niceness: int = 5  # added to the core process's nice value: HTTP, probes and streams run first
+    engine_heartbeat_timeout: float = 5.0  # seconds without a word from the core before /health says 503 (wedged)
     tensor_parallel_size: int = 1  # ranks the model is split over, one process each (gloo on CPU, NCCL on CUDA)
 
     def __post_init__(self) -> None:
@@ -81,6 +82,7 @@ class EngineConfig:
             (self.max_queue_time is None or self.max_queue_time > 0, "max_queue_time", "> 0 seconds"),
             (self.request_timeout is None or self.request_timeout > 0, "request_timeout", "> 0 seconds"),
             (0 <= self.engine_niceness <= 19, "engine_niceness", "in [0, 19]"),
+            (self.engine_heartbeat_timeout > 0, "engine_heartbeat_timeout", "> 0 seconds"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1"),
         ]
         for ok, name, rule in checks:

@@ -70,6 +70,8 @@ class AsyncEngine:
         self._tokenizer: PromptTokenizer | None = None
         self._grammars: GrammarCompiler | None = None  # checks constraints at the door
         self.error: str | None = None  # why the core died
+        self._ready_at = 0.0  # time.monotonic() when it began to take requests
+        self._wedge_logged = False
         self._reader = threading.Thread(target=self._read, name="pagedserve-engine-client", daemon=True)
 
     @classmethod
@@ -85,7 +87,7 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def start(self) -> AsyncEngine:
-        self._core.start()
+        self._core.start(heartbeats=True)  # the reader reads all the time; is_healthy watches them
         self._reader.start()
         return self
 
@@ -109,18 +111,37 @@ class AsyncEngine:
 
     @property
     def is_ready(self) -> bool:
-        return self._accepting
+        return self._accepting and not self._wedged()
 
     @property
     def is_healthy(self) -> bool:
-        return self.error is None
+        """False once the core has died, and while it is wedged; loading and shut down count as alive."""
+        return self.error is None and not self._wedged()
 
     def unavailable_reason(self) -> str:
         if self.error is not None:
             return self.error
         if self._stopped:
             return "the engine is shutting down"
+        if self._wedged():
+            return f"the engine core has not answered for {self._silence():.0f} s"
         return "the engine is still loading"
+
+    def _wedged(self) -> bool:
+        """Loaded, yet silent past its heartbeat timeout: the core's process no longer runs (SIGSTOP, a frozen or
+        starved host). Its heartbeat comes from a thread of its own, so a long step is no silence."""
+        info = self._info
+        wedged = self._accepting and info is not None and self._silence() > info.heartbeat_timeout
+        if wedged != self._wedge_logged and self._accepting:  # once each way, when a probe or request sees it
+            self._wedge_logged = wedged
+            (logger.error if wedged else logger.warning)(
+                "the engine core %s", "has stopped answering" if wedged else "answers again"
+            )
+        return wedged
+
+    def _silence(self) -> float:
+        """Seconds since the core's latest message (or since the engine was ready, if later)."""
+        return time.monotonic() - max(self._core.last_heard, self._ready_at)
 
     # ---- what the loaded engine is -----------------------------------------------------------------
 
@@ -169,7 +190,7 @@ class AsyncEngine:
         """A place in the waiting queue held for a request before any work on it (a server reserves before
         parsing the body), or QueueFullError at once. Hand it to generate(), which takes it; release() it if
         the request never gets there. None while the engine takes nothing (generate() says why)."""
-        return self._queue_places.reserve() if self._accepting else None
+        return self._queue_places.reserve() if self.is_ready else None
 
     async def generate(
         self,
@@ -185,7 +206,7 @@ class AsyncEngine:
         nothing (EngineUnavailableError) raise here, before any delta exists, so a server can still answer
         with an error status. Still unscheduled after `queue_timeout` or the config's max_queue_time, or
         unfinished after its request_timeout (seconds), the request is aborted and its stream raises
-        QueueTimeoutError or RequestTimeoutError (checked at every core iteration).
+        QueueTimeoutError or RequestTimeoutError (timed on this process's clock, whatever the core does).
         """
         token_ids = await self.encode_prompt(prompt)
         info = self.info
@@ -201,12 +222,13 @@ class AsyncEngine:
             info.request_timeout,
         )
         with self._lock:
-            if not self._accepting:
+            if not self.is_ready:
                 raise EngineUnavailableError(self.unavailable_reason())
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already in use")
             sink.take_places(self._queue_places, reservation)
             self._sinks[request_id] = sink
+            self._watch(request_id, sink)
             self._core.send(AddRequest(request_id, token_ids, params, sink.arrival))
         return RequestStream(request_id, params.n, sink.queue, self.abort)
 
@@ -220,7 +242,7 @@ class AsyncEngine:
             failed = list(self._sinks.items())
             self._sinks.clear()
         for _, sink in failed:
-            sink.leave_queue()
+            sink.end()
             sink.fail(error)
         if failed:
             self._core.send(AbortRequests([request_id for request_id, _ in failed]))
@@ -232,7 +254,7 @@ class AsyncEngine:
         """
         reply: concurrent.futures.Future[int] = concurrent.futures.Future()
         with self._lock:
-            if not self._accepting:
+            if not self.is_ready:
                 raise EngineUnavailableError(self.unavailable_reason())
             reply_id = next(self._reply_ids)
             self._replies[reply_id] = reply
@@ -274,6 +296,7 @@ class AsyncEngine:
         self._queue_places.limit = ready.snapshot.queue_capacity
         with self._lock:
             self._accepting = not self._stopped
+            self._ready_at = time.monotonic()  # the beats that came while the tokenizer loaded are still unread
         self._settled.set()
 
     def _on_output(self, out: StepOutput) -> None:
@@ -288,7 +311,7 @@ class AsyncEngine:
                 sink.leave_queue()
         for sink, why in rejected:
             if sink is not None:
-                sink.leave_queue()
+                sink.end()
                 sink.fail(ValueError(why))
         # Published before the deltas go out: whoever sees a delta sees this state of the core or a newer one.
         self._snapshot = out.snapshot
@@ -296,7 +319,6 @@ class AsyncEngine:
             seconds, num_tokens = out.step_seconds, out.num_tokens
             self._notify(lambda observer: observer.on_step(seconds, num_tokens))
         self._deliver(out.deltas)
-        self._fail_expired()
 
     def _deliver(self, deltas: list[SequenceDelta]) -> None:
         """Hands deltas to their queues: one wake-up per event loop, however many deltas."""
@@ -312,27 +334,30 @@ class AsyncEngine:
                 if delta.finished:
                     sink.num_unfinished -= 1
                     if not sink.num_unfinished:
-                        sink.leave_queue()
+                        sink.end()
                         del self._sinks[delta.request_id]
         hand_over(handed)
         now = time.monotonic()
         self._notify(lambda observer: observer.on_deltas(deltas, now))
 
-    def _fail_expired(self) -> None:
-        """Ends the requests past a time limit (a wait to be scheduled, or the whole request's)."""
-        now = time.monotonic()
-        expired: list[tuple[str, RequestSink, BaseException]] = []
+    def _watch(self, request_id: str, sink: RequestSink) -> None:
+        """Times the request's next deadline on its event loop, so that limits hold on this process's clock
+        whether or not the core sends anything. Under the lock."""
+        sink.watch(lambda: self._expire(request_id, sink))
+
+    def _expire(self, request_id: str, sink: RequestSink) -> None:
+        """A deadline of the request has come (on its event loop): ends it, unless it ended or has more time."""
         with self._lock:
-            for request_id, sink in list(self._sinks.items()):
-                timeout = sink.expired(now)
-                if timeout is not None:
-                    expired.append((request_id, sink, timeout))
-                    del self._sinks[request_id]
-        for _, sink, reason in expired:
-            sink.leave_queue()
-            sink.fail(reason)
-        if expired:
-            self._core.send(AbortRequests([request_id for request_id, _, _ in expired]))
+            if self._sinks.get(request_id) is not sink:
+                return
+            error = sink.expired(time.monotonic())
+            if error is None:  # scheduled before its wait ran out: what is left is the whole request's limit
+                self._watch(request_id, sink)
+                return
+            del self._sinks[request_id]
+        sink.end()
+        sink.fail(error)
+        self._core.send(AbortRequests([request_id]))
 
     def _notify(self, call: Callable[[EngineObserver], None]) -> None:
         for observer in self._observers:
@@ -353,7 +378,7 @@ class AsyncEngine:
             self._replies.clear()
         failure = EngineUnavailableError(self.unavailable_reason())
         for sink in sinks:
-            sink.leave_queue()
+            sink.end()
             sink.fail(failure)
         for reply in replies:
             reply.set_exception(failure)

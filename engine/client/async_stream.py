@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,8 @@ class EngineObserver:
 
 @dataclass
 class RequestSink:
-    """The reader thread's end of one request's stream: an asyncio queue living on `loop`, and time limits."""
+    """The reader thread's end of one request's stream: an asyncio queue living on `loop`, and time limits
+    timed on that loop (AsyncEngine arms the timer; whoever removes the sink from the engine's calls end())."""
 
     loop: asyncio.AbstractEventLoop
     num_sequences: int  # n: what the request counts against max_queue_len while it waits
@@ -54,6 +56,7 @@ class RequestSink:
     queue: asyncio.Queue[SequenceDelta | BaseException] = field(default_factory=asyncio.Queue)
     num_unfinished: int = field(init=False)  # sequences still to finish
     places: QueuePlaces | None = None  # the queue places it holds until first scheduled
+    timer: asyncio.TimerHandle | None = None  # for its next deadline
 
     def __post_init__(self) -> None:
         self.num_unfinished = self.num_sequences
@@ -71,6 +74,24 @@ class RequestSink:
         if self.places is not None:
             self.places.free(self.num_sequences)
             self.places = None
+
+    def next_deadline(self) -> float | None:
+        """When (time.monotonic()) the first of its limits that still applies runs out; None without one."""
+        limits = [self.timeout, *((self.queue_timeout, self.max_queue_time) if self.queued else ())]
+        seconds = [limit for limit in limits if limit is not None]
+        return self.arrival + min(seconds) if seconds else None
+
+    def watch(self, on_expiry: Callable[[], None]) -> None:
+        """Calls `on_expiry` on the sink's loop once its next deadline has come, if it has one. On that loop."""
+        deadline = self.next_deadline()
+        if deadline is not None:
+            self.timer = self.loop.call_later(max(0.0, deadline - time.monotonic()), on_expiry)
+
+    def end(self) -> None:
+        """This side is done with the request: its queue places back, its timer off. Thread-safe."""
+        self.leave_queue()
+        if self.timer is not None:
+            call_soon(self.loop, self.timer.cancel)
 
     def expired(self, now: float) -> TimeoutError | None:
         """The error to end the request with, if it has run past one of its limits."""

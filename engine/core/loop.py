@@ -9,19 +9,22 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable
 
 from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.core.messages import (
+    HEARTBEATS_PER_TIMEOUT,
     AbortRequests,
     AddRequest,
     CollectStats,
     Command,
     CoreFailed,
-    CoreMessage,
+    Emitted,
     EngineInfo,
     EngineSnapshot,
+    Heartbeat,
     Ready,
     Reply,
     ResetPrefixCache,
@@ -32,11 +35,14 @@ from pagedserve.engine.outputs import SequenceDelta
 
 logger = logging.getLogger(__name__)
 
-Emit = Callable[[CoreMessage], None]
+Emit = Callable[[Emitted], None]
 
 
-def run_core(make_engine: Callable[[], LLMEngine], inbox: queue.SimpleQueue[Command], emit: Emit) -> None:
-    """Loads the engine, says Ready (or CoreFailed), then serves until Shutdown. Never raises."""
+def run_core(
+    make_engine: Callable[[], LLMEngine], inbox: queue.SimpleQueue[Command], emit: Emit, heartbeats: bool = False
+) -> None:
+    """Loads the engine, says Ready (or CoreFailed), then serves until Shutdown (with `heartbeats`, beating
+    meanwhile). Never raises."""
     try:
         engine = make_engine()
     except BaseException as exc:  # the caller's side reports it; this side has nobody else to tell
@@ -44,14 +50,48 @@ def run_core(make_engine: Callable[[], LLMEngine], inbox: queue.SimpleQueue[Comm
         emit(CoreFailed(f"the model failed to load: {exc!r}"))
         return
     core = EngineCore(engine)
+    heartbeat = Heartbeats(emit, engine.config.engine_heartbeat_timeout / HEARTBEATS_PER_TIMEOUT)
     emit(Ready(engine_info(engine), engine.snapshot()))
+    if heartbeats:
+        heartbeat.start()
     try:
         core.serve(inbox, emit)
     except BaseException as exc:
         logger.exception("the engine core died")
+        heartbeat.stop()  # CoreFailed is the last word
         emit(CoreFailed(f"the engine failed: {exc!r}"))
     finally:
+        heartbeat.stop()
         engine.close()  # ends the tensor-parallel ranks, whichever way the loop ended
+
+
+class Heartbeats:
+    """Says Heartbeat every `interval` seconds from a thread of its own, so that the caller can tell a wedged
+    process (stopped, frozen, starved) from a busy one. A thread and not the loop: one step may take seconds
+    (a long prefill on a CPU), and the forward's torch and ctypes calls release the GIL meanwhile. A loop stuck
+    with the process still running is not its business (a lost tensor-parallel rank is check_health's)."""
+
+    def __init__(self, emit: Emit, interval: float) -> None:
+        self._emit = emit
+        self._interval = interval
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="pagedserve-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Returns once no beat can follow (idempotent)."""
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(self._interval):
+            try:
+                self._emit(Heartbeat())
+            except OSError:  # the caller is gone: the inbox's reader ends the process
+                return
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
@@ -66,6 +106,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         block_size=engine.kv.block_size,
         device=str(engine.loaded.device),
         pid=os.getpid(),
+        heartbeat_timeout=engine.config.engine_heartbeat_timeout,
     )
 
 

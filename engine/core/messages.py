@@ -68,6 +68,7 @@ class EngineInfo:
     block_size: int
     device: str
     pid: int  # the core's process
+    heartbeat_timeout: float = 5.0  # seconds of silence (heartbeats included) after which the core counts as wedged
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,16 @@ class LogRecord:
 
 
 @dataclass
+class Heartbeat:
+    """The core's process still runs: sent, when the caller asks (CoreConnection.start), every
+    EngineInfo.heartbeat_timeout / HEARTBEATS_PER_TIMEOUT seconds by a thread of its own, steps or not. The
+    transport takes it (CoreConnection.last_heard): receive() never returns one."""
+
+
+HEARTBEATS_PER_TIMEOUT = 10  # beats a wedge must silence before it is noticed: one late beat is no wedge
+
+
+@dataclass
 class CoreFailed:
     """The core could not load, or its loop died; it sends nothing after this."""
 
@@ -131,3 +142,4 @@ class CoreFailed:
 
 
 CoreMessage = Ready | StepOutput | Reply | LogRecord | CoreFailed
+Emitted = CoreMessage | Heartbeat  # what the core sends

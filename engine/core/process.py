@@ -10,7 +10,6 @@ socket closes, and the caller's receive() raises CoreGone when the core's does.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import logging.handlers
 import os
@@ -20,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.core.messages import Command, CoreMessage, LogRecord, Shutdown
+from pagedserve.engine.core.messages import Command, CoreMessage, Emitted, Heartbeat, LogRecord, Shutdown
 
 if TYPE_CHECKING:
     from pagedserve.engine.core.llm_engine import LLMEngine
@@ -43,16 +43,29 @@ class CoreGone(RuntimeError):
 class CoreConnection(ABC):
     """The caller's end of an engine core: commands go in, CoreMessages come out, in order."""
 
+    last_heard = 0.0  # time.monotonic() of the core's latest message, heartbeats included
+
     @abstractmethod
-    def start(self) -> None: ...
+    def start(self, heartbeats: bool = False) -> None:
+        """Starts the core; with `heartbeats`, once loaded it says Heartbeat every tenth of its heartbeat timeout,
+        for a caller that reads all the time and watches its liveness (one that reads only while it waits for
+        results, like the offline LLM, would find them piled up)."""
 
     @abstractmethod
     def send(self, command: Command) -> None:
-        """Thread-safe; a core that is gone drops the command (receive() reports its end)."""
+        """Thread-safe and never waits on the core; a core that is gone drops the command (receive() says so)."""
+
+    def receive(self) -> CoreMessage:
+        """Blocks for the next message; heartbeats only mark `last_heard`. Raises CoreGone once the core has ended."""
+        while True:
+            message = self._next()
+            self.last_heard = time.monotonic()
+            if not isinstance(message, Heartbeat):
+                return message
 
     @abstractmethod
-    def receive(self) -> CoreMessage:
-        """Blocks for the next message; raises CoreGone once the core has ended."""
+    def _next(self) -> Emitted:
+        """Blocks for whatever the core sent next; raises CoreGone once it has ended."""
 
     @abstractmethod
     def join(self, timeout: float) -> None:
@@ -80,25 +93,27 @@ class ThreadCore(CoreConnection):
 
     def __init__(self, make_engine: Callable[[], LLMEngine]) -> None:
         self._make_engine = make_engine
+        self._heartbeats = False
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
 
-    def start(self) -> None:
+    def start(self, heartbeats: bool = False) -> None:
+        self._heartbeats = heartbeats
         self._thread.start()
 
     def _run(self) -> None:
         from pagedserve.engine.core.loop import run_core
 
         try:
-            run_core(self._make_engine, self._inbox, self._outbox.put)
+            run_core(self._make_engine, self._inbox, self._outbox.put, self._heartbeats)
         finally:
             self._outbox.put(self._END)
 
     def send(self, command: Command) -> None:
         self._inbox.put(command)
 
-    def receive(self) -> CoreMessage:
+    def _next(self) -> Emitted:
         message = self._outbox.get()
         if message is self._END:
             self._outbox.put(self._END)  # every later receive() says so too
@@ -116,6 +131,7 @@ class CoreSettings:
 
     config: EngineConfig
     log_level: int
+    heartbeats: bool = False
 
 
 class ProcessCore(CoreConnection):
@@ -125,13 +141,16 @@ class ProcessCore(CoreConnection):
         self._config = config
         self._process: subprocess.Popen | None = None
         self._connection: Connection | None = None
-        self._send_lock = threading.Lock()
+        # Commands go out from a thread of their own: a stopped core fills the socket's buffer, and a send that
+        # waited for room would stall the caller's event loop (probes included) until the core resumed.
+        self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="pagedserve-engine-writer", daemon=True)
 
     @property
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
-    def start(self) -> None:
+    def start(self, heartbeats: bool = False) -> None:
         ours, theirs = socket.socketpair()
         with theirs:
             self._process = subprocess.Popen(
@@ -140,14 +159,21 @@ class ProcessCore(CoreConnection):
                 stdin=subprocess.DEVNULL,
             )
         self._connection = Connection(ours.detach())
-        self._connection.send(CoreSettings(self._config, logging.getLogger().getEffectiveLevel()))
+        self._connection.send(CoreSettings(self._config, logging.getLogger().getEffectiveLevel(), heartbeats))
+        self._writer.start()
 
     def send(self, command: Command) -> None:
-        assert self._connection is not None, "start() first"
-        with self._send_lock, contextlib.suppress(OSError):  # the core is gone: receive() says how
-            self._connection.send(command)
+        self._commands.put(command)
 
-    def receive(self) -> CoreMessage:
+    def _write(self) -> None:
+        assert self._connection is not None
+        while (command := self._commands.get()) is not None:
+            try:
+                self._connection.send(command)
+            except OSError:  # the core is gone: receive() says how
+                return
+
+    def _next(self) -> Emitted:
         assert self._connection is not None and self._process is not None, "start() first"
         while True:
             try:
@@ -178,6 +204,9 @@ class ProcessCore(CoreConnection):
             logger.warning("the engine core process did not stop within %.0f s; killing it", timeout)
             self._process.kill()
             self._process.wait()
+        self._commands.put(None)  # the core has ended: the writer's send fails at once, or it takes this and ends
+        if self._writer.is_alive():
+            self._writer.join(timeout)
         if self._connection is not None:
             self._connection.close()
 
@@ -203,7 +232,7 @@ def serve_child(fd: int) -> None:
     settings: CoreSettings = connection.recv()
     lock = threading.Lock()
 
-    def emit(message: CoreMessage) -> None:
+    def emit(message: Emitted) -> None:
         with lock:
             connection.send(message)
 
@@ -221,7 +250,7 @@ def serve_child(fd: int) -> None:
     from pagedserve.engine.core.llm_engine import LLMEngine
     from pagedserve.engine.core.loop import run_core
 
-    run_core(lambda: LLMEngine(settings.config), inbox, emit)
+    run_core(lambda: LLMEngine(settings.config), inbox, emit, settings.heartbeats)
     connection.close()
 
 

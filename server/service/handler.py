@@ -39,7 +39,8 @@ async def retrieve_model(model_id: str, request: Request) -> ModelCard:
 
 @router.get("/health", tags=["probes"])
 async def health(request: Request) -> JSONResponse:
-    """Liveness: fails only when the engine core has died (loading counts as alive)."""
+    """Liveness: fails when the engine core has died, and while it is wedged (silent, heartbeats included, for
+    --engine-heartbeat-timeout seconds; 200 again once it answers). Loading counts as alive."""
     engine = serving(request).engine
     if not engine.is_healthy:
         return JSONResponse({"status": "unhealthy", "reason": engine.unavailable_reason()}, status_code=503)
@@ -48,7 +49,7 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/ready", tags=["probes"])
 async def ready(request: Request) -> JSONResponse:
-    """Readiness: 200 once the model is loaded, 503 while loading or draining."""
+    """Readiness: 200 once the model is loaded, 503 while loading, draining or while the core is wedged."""
     ctx = serving(request)
     if ctx.draining or not ctx.engine.is_ready:
         reason = "the server is shutting down" if ctx.draining else ctx.engine.unavailable_reason()
