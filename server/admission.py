@@ -43,3 +43,10 @@ def reserved_place(request: Request) -> Reservation | None:
     """The queue place the request was admitted with, if it holds one."""
     ticket = ticket_in(request.scope.get("state", {}))
     return None if ticket is None else ticket.place
+
+
+def release_ticket(state: Mapping[str, Any]) -> None:
+    """Gives back the queue place a scope's state holds, unless its request took it (idempotent)."""
+    ticket = ticket_in(state)
+    if ticket is not None and ticket.place is not None:
+        ticket.place.release()

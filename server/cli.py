@@ -20,7 +20,12 @@ from pagedserve.server.benchmark.command import add_bench_commands
 from pagedserve.server.context import ServerSettings
 from pagedserve.server.door import Door
 from pagedserve.server.engine_args import add_engine_args, engine_config
-from pagedserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, guarded_protocol
+from pagedserve.server.http_protocol import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    guarded_protocol,
+)
 from pagedserve.server.logs import LOG_FORMATS, configure_logging, uvicorn_text_logging
 from pagedserve.server.offline import LOG_LEVELS
 from pagedserve.server.shutdown import ABORT_GRACE_SECONDS, DrainingServer
@@ -106,6 +111,14 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "previous answer: slow or idle clients cannot hold connections (default: %(default)g)",
     )
     http.add_argument(
+        "--body-timeout",
+        type=_positive(float),
+        default=DEFAULT_BODY_TIMEOUT,
+        metavar="SECONDS",
+        help="answer 408 and close a connection whose request body is not complete this long after its headers: "
+        "announced bodies that never come cannot hold queue places (default: %(default)g)",
+    )
+    http.add_argument(
         "--max-connections",
         type=_positive(int),
         default=DEFAULT_MAX_CONNECTIONS,
@@ -169,7 +182,9 @@ def serve_command(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         log_config=None if args.log_format == "json" else uvicorn_text_logging(),  # None: ours, via root
         timeout_graceful_shutdown=ABORT_GRACE_SECONDS,  # the drain has already run when uvicorn waits
-        http=guarded_protocol(args.header_timeout, args.max_connections, Door(app.state.serving)),
+        http=guarded_protocol(
+            args.header_timeout, args.max_connections, Door(app.state.serving), body_timeout=args.body_timeout
+        ),
         root_path=args.root_path,
     )
     server = DrainingServer(uvicorn_config, app.state.serving, args.shutdown_timeout)

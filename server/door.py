@@ -11,7 +11,12 @@ from their handlers).
 The door only refuses what the app would refuse the same way, with the same answer, request-log line and HTTP
 metrics: a request it is unsure of (draining, an unauthorized key, a CORS origin whose headers the app adds)
 goes to the app, whose LoadSheddingMiddleware decides as before. A middleware that changes what a refusal
-looks like (a header, a log field) must be mirrored here: tests/test_door.py compares the two answers.
+looks like (a header, a log field) must be mirrored here: tests/test_door.py compares the two answers. The door
+reads a header the way the app does, through the same function (the API key: api_key_matches, which refuses a
+repeated Authorization header), so a request cannot pass one check and fail the other.
+
+A place reserved here is given back by the protocol when the request's ASGI cycle ends, whatever answered it
+(server/admission.py: release_ticket), never by the code that happened to answer.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pagedserve.server.admission import AdmissionTicket, put_ticket
 from pagedserve.server.context import ServingContext
 from pagedserve.server.errors import to_api_error
 from pagedserve.server.logs import RequestRecord
-from pagedserve.server.middleware import GENERATION_PATHS, REQUEST_ID_HEADER, bearer_key_matches, valid_request_id
+from pagedserve.server.middleware import GENERATION_PATHS, REQUEST_ID_HEADER, api_key_matches, valid_request_id
 
 _REQUEST_ID = REQUEST_ID_HEADER.lower().encode()
 Headers = list[tuple[bytes, bytes]]  # as the protocol parsed them: names in lower case
@@ -55,15 +60,14 @@ class Door:
         (behind --root-path, the root path in front)."""
         if method != "POST" or path not in GENERATION_PATHS or self.serving.draining:
             return None
-        named = dict(headers)
-        if self._cors and b"origin" in named:
+        if self._cors and any(name == b"origin" for name, _ in headers):
             return None
-        if self._api_key is not None and not bearer_key_matches(named.get(b"authorization", b""), self._api_key):
-            return None
+        if self._api_key is not None and not api_key_matches(headers, self._api_key):
+            return None  # the app's ApiKeyMiddleware answers 401, from the same reading
         try:
             reservation = self.serving.engine.reserve_place()
         except QueueFullError as exc:
-            return self._refuse(exc, path, full_path, named.get(_REQUEST_ID, b""))
+            return self._refuse(exc, path, full_path, _first(headers, _REQUEST_ID))
         if reservation is not None:
             put_ticket(state, AdmissionTicket(reservation))
         return None
@@ -80,3 +84,8 @@ class Door:
         headers += [(name.lower().encode(), value.encode()) for name, value in (error.headers or {}).items()]
         headers.append((_REQUEST_ID, request_id.encode()))
         return Refusal(error.status_code, headers, body)
+
+
+def _first(headers: Headers, name: bytes) -> bytes:
+    """A header's first value, as the app's Starlette Headers.get reads it; empty when it is absent."""
+    return next((value for named, value in headers if named == name), b"")

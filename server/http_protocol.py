@@ -1,16 +1,24 @@
 """The HTTP/1.1 protocol `pagedserve serve` runs: uvicorn's httptools protocol (llhttp, a C parser: a request costs
-a fifth of what h11's pure-Python parser costs, which a burst of hundreds adds up) with three additions.
+a fifth of what h11's pure-Python parser costs, which a burst of hundreds adds up) with these additions.
 
 - Load shedding at the door: as soon as a request's headers are parsed, a Door (server/door.py) admits it,
   reserving its place in the engine's queue, or refuses it; the 503 is written right here, inside the read
   callback, before any ASGI task exists, so no refusal waits behind the admitted requests' work. The refused
-  request's body is read and dropped and the connection stays open for the next one.
+  request's body is read and dropped and the connection stays open for the next one. An admitted request's
+  place comes back when its ASGI request cycle ends, whatever happened in it (an answer from any middleware,
+  an exception, a body that never came): the app this protocol runs is wrapped to release it then.
 - Header timeout: a deadline starts when a connection opens and when each request-response cycle ends, and
   stops once the next request's headers are complete; when it passes, the connection is closed. A request's
   body and its answer (an SSE stream of any length) are not under it. uvicorn has none (slowloris): its
   keep-alive timer stops at the first byte of the next request, so a client that trickles its headers would hold
   a connection (and a file descriptor) for ever. An idle keep-alive connection closes after the shorter of
   uvicorn's keep-alive timeout and this one.
+- Body timeout: a request's body must be in `body_timeout` seconds after the read that completed its headers
+  (a pipelined request's, after it starts), however it trickles in; when it is not, the request is answered an
+  OpenAI-shaped 408 `body_timeout` and the connection is closed. The app sees the client gone (its request log
+  and metrics say 408) and the request's queue place comes back: headers announcing a body that never comes
+  cannot hold a place. A request answered before its body is in (401, 413, 503) is under the header timeout
+  again, not this one.
 - Connection cap: a connection opened while `max_connections` are open (idle ones included: they cost the
   same) is answered at once with an OpenAI-shaped 503 and Retry-After, then closed. Such a connection is never
   handed to the app: no request-log line, no metrics. (uvicorn's `limit_concurrency` answers only once a
@@ -25,15 +33,20 @@ import logging
 import time
 import urllib.parse
 from http import HTTPStatus
+from typing import Any, cast
 
 import httptools
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from pagedserve.server.admission import release_ticket
 from pagedserve.server.door import Door, Refusal
 from pagedserve.server.errors import RETRY_AFTER_SECONDS, APIError, server_error
+from pagedserve.server.middleware import REQUEST_ID_HEADER, answered_by_protocol
 
 logger = logging.getLogger(__name__)
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds
+DEFAULT_BODY_TIMEOUT = 10.0  # seconds
 DEFAULT_MAX_CONNECTIONS = 1024
 MAX_HEADER_BYTES = 64 * 1024  # a request's line and headers; more is answered 431 and the connection closed
 REFUSAL_LINGER_SECONDS = 2.0  # how long a refused connection may keep sending before it is cut off
@@ -65,6 +78,25 @@ _HEADERS_TOO_LARGE = _closing_response(
 )
 
 
+def _body_timeout_error(timeout: float, request_id: str | None) -> APIError:
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    message = f"the request body did not arrive within {timeout:g} s of its headers"
+    return APIError(408, message, code="body_timeout", headers=headers)
+
+
+class _ReleasingPlaces:
+    """The app, giving back the queue place a request holds (server/admission.py) when its ASGI cycle ends."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            release_ticket(scope.get("state", {}))
+
+
 class _ClosingAnswer(asyncio.Protocol):
     """Writes an answer, then discards what the client sends until it closes or the linger ends. Closing at once
     would leave its request unread, and closing a socket with unread data makes the kernel reset the connection,
@@ -91,16 +123,22 @@ class _ClosingAnswer(asyncio.Protocol):
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
-    """HttpToolsProtocol with a door, a header-read timeout and a connection cap; see guarded_protocol()."""
+    """HttpToolsProtocol with a door, header and body timeouts and a connection cap; see guarded_protocol()."""
 
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     door: Door | None = None
     _last_refusal_log = -REFUSAL_LOG_INTERVAL  # shared by every connection of the class
     _header_deadline: asyncio.TimerHandle | None = None
+    _body_deadline: asyncio.TimerHandle | None = None
     _dropping_body = False  # the request being read was answered at the door
     _header_bytes: int | None = None  # bytes of the request headers being read; None between them
     _message_began = False  # in the chunk being parsed
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.app = cast(Any, _ReleasingPlaces(self.app))
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.max_connections:
@@ -111,6 +149,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_clock()
+        self._stop_body_clock()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -122,6 +161,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._header_bytes += len(data)
             if self._header_bytes > MAX_HEADER_BYTES:
                 self._close_with(_HEADERS_TOO_LARGE)
+                return
+        # A request whose headers are in and whose body is not: its clock starts now (and runs on, however its
+        # body trickles in). A request complete in this chunk, the usual case, never needs one.
+        self._start_body_clock()
 
     # ---- parser callbacks ----------------------------------------------------------------------------
 
@@ -146,13 +189,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._dropping_body:
             self._dropping_body = False
             return
+        self._stop_body_clock()
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        self._stop_body_clock()  # answered: a body still due is the header timeout's, as after any answer
         next_request_in = bool(self.pipeline)
         super().on_response_complete()  # may start a pipelined request whose headers were already in
-        if not next_request_in and not self.transport.is_closing():
-            self._start_header_clock()
+        if not self.transport.is_closing():
+            if not next_request_in:
+                self._start_header_clock()
+            self._start_body_clock()  # a pipelined request started, its body still to come
 
     # ---- the door ------------------------------------------------------------------------------------
 
@@ -213,9 +260,39 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             logger.debug("closing %s: no complete request headers in %g s", self.client, self.header_timeout)
             self.transport.close()  # connection_lost does uvicorn's bookkeeping
 
+    def _start_body_clock(self) -> None:
+        """Starts the clock of the body of the request being read, when one is due and can be read now."""
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or cycle.response_complete or self._body_deadline is not None:
+            return
+        if self.transport.is_closing() or any(queued is cycle for queued, _ in self.pipeline):
+            return  # a pipelined request not started yet, behind an answer: its clock starts when it does
+        self._body_deadline = self.loop.call_later(self.body_timeout, self._body_timeout_expired)
+
+    def _stop_body_clock(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
+    def _body_timeout_expired(self) -> None:
+        self._body_deadline = None
+        cycle = self.cycle
+        if self.transport.is_closing() or cycle is None or cycle.response_complete:
+            return
+        logger.debug("closing %s: no complete request body in %g s", self.client, self.body_timeout)
+        if cycle.response_started:  # an app answering before the body is in: too late for a 408
+            self.transport.close()
+            return
+        scope = cycle.scope
+        error = _body_timeout_error(self.body_timeout, scope["state"].get("request_id"))
+        answered_by_protocol(scope["state"], error)  # the app sees the client gone, and logs and counts this
+        self._log_access(scope["method"], scope["path"], scope["query_string"], error.status_code)
+        self._close_with(_closing_response(error))
+
     def _close_with(self, answer: bytes) -> None:
         """Answers and closes this connection, which uvicorn then forgets as if the client had gone."""
         self._stop_header_clock()
+        self._stop_body_clock()
         self._unset_keepalive_if_required()
         self.connections.discard(self)
         if self.cycle is not None and not self.cycle.response_complete:
@@ -237,7 +314,10 @@ def _hand_over(transport: asyncio.Transport, protocol: asyncio.Protocol) -> None
 
 
 def guarded_protocol(
-    header_timeout: float, max_connections: int, door: Door | None = None
+    header_timeout: float,
+    max_connections: int,
+    door: Door | None = None,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> type[GuardedHttpProtocol]:
     """The protocol class to pass as uvicorn.Config(http=...), with these limits and, if given, this door."""
 
@@ -245,6 +325,7 @@ def guarded_protocol(
         pass
 
     Configured.header_timeout = header_timeout
+    Configured.body_timeout = body_timeout
     Configured.max_connections = max_connections
     Configured.door = door
     return Configured

@@ -9,13 +9,15 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.engine import QueueFullError
-from pagedserve.server.admission import AdmissionTicket, put_ticket, ticket_in
+from pagedserve.server.admission import AdmissionTicket, put_ticket, release_ticket, ticket_in
 from pagedserve.server.context import ServingContext
 from pagedserve.server.errors import CLIENT_CLOSED_REQUEST, APIError, internal_error, invalid_request, to_api_error
 from pagedserve.server.logs import RequestRecord
@@ -26,6 +28,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 _VALID_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe in logs and headers
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no API key (nor log lines)
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+_PROTOCOL_ANSWER = "protocol_answer"  # scope state: the APIError the protocol answered a request with
 
 
 class RequestContextMiddleware:
@@ -80,12 +83,16 @@ class RequestContextMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuses request bodies over `max_bytes` with 413, and JSON bodies holding a lone UTF-16 surrogate with 400
+    """Refuses request bodies over `max_bytes` with 413, and bodies holding a lone UTF-16 surrogate with 400
     `invalid_unicode`, before anything parses them. A client that hangs up before its body is in is recorded as
-    499 `client_closed`, and the app never runs.
+    499 `client_closed` (or as what the protocol answered it: a 408 at the body timeout), and the app never runs.
 
     The body is read here (up to the limit) and replayed to the app: a chunked body has no length to check
     up front, and a limit hit halfway through the app's own read could no longer become a clean 413.
+
+    Every body this API takes is a JSON document, and OpenAI's API reads it as JSON whatever its Content-Type
+    says (none, text/plain, or curl -d's application/x-www-form-urlencoded): so does the app, which is told here
+    that the body is application/json (FastAPI parses a body only under a JSON content type).
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
@@ -120,9 +127,11 @@ class BodyLimitMiddleware:
         record = _record(scope)
         if record is not None:
             record.received()
-        if _is_json(headers) and has_lone_surrogate(message["body"]):
+        if has_lone_surrogate(message["body"]):
             await self._refuse(scope, receive, send, _invalid_unicode())
             return
+        if not _is_json(headers.get("content-type")):
+            _read_as_json(scope)
         pending = [message]  # the whole body
 
         async def replay() -> Message:
@@ -167,27 +176,44 @@ def has_lone_surrogate(body: bytes) -> bool:
     return False
 
 
-def _is_json(headers: Headers) -> bool:
-    """Whether the app reads the body as JSON: no content type, application/json or application/*+json."""
-    content_type = headers.get("content-type")
+def _is_json(content_type: str | None) -> bool:
+    """Whether FastAPI parses a body of this content type as JSON: application/json or application/*+json."""
     if not content_type:
-        return True
+        return False
     parsed = email.message.Message()
     parsed["content-type"] = content_type
     subtype = parsed.get_content_subtype()
     return parsed.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
+def _read_as_json(scope: Scope) -> None:
+    """Tells the app the body is JSON, in place of the content type it came with (or none)."""
+    headers = [(name, value) for name, value in scope["headers"] if name != b"content-type"]
+    scope["headers"] = [*headers, (b"content-type", b"application/json")]
+
+
 def _client_closed(scope: Scope) -> None:
-    """The client hung up before its body was in: nobody reads an answer, the log and metrics show a 499."""
+    """The client hung up before its body was in, or the protocol answered it and closed the connection (the body
+    timeout): nobody reads an answer from the app, the log and metrics show a 499 or the protocol's answer."""
     record = _record(scope)
     if record is None:
         return
     if route_path(scope) in GENERATION_PATHS:  # the router never runs: other paths count as "unmatched"
         scope["route"] = _RouteLabel(route_path(scope))
+    answered = scope.get("state", {}).get(_PROTOCOL_ANSWER)
+    if isinstance(answered, APIError):
+        record.status, record.error_code = answered.status_code, answered.code
+        logger.debug("request %s: answered %d by the protocol", record.request_id, answered.status_code)
+        return
     record.status = CLIENT_CLOSED_REQUEST
     record.error_code = "client_closed"
     logger.debug("request %s: the client hung up before its body was in", record.request_id)
+
+
+def answered_by_protocol(state: MutableMapping[str, Any], error: APIError) -> None:
+    """Notes in a request's scope state that the HTTP protocol answered it `error` and cut its connection (its
+    body did not arrive in time): the app, which then sees the client gone, logs and counts that answer."""
+    state[_PROTOCOL_ANSWER] = error
 
 
 @dataclass(frozen=True)
@@ -207,7 +233,8 @@ class LoadSheddingMiddleware:
     burst, every request is admitted or refused before any admitted one parses its body, so the refusals do not
     wait behind that work. Its AdmissionTicket (server/admission.py) carries the place to the handler, which
     hands it to generate(), which may still refuse the request (n places needed, not one); a request that never
-    gets there gives its place back.
+    gets there gives its place back as this returns (and in any case when its ASGI cycle ends: the protocol
+    releases whatever ticket the scope's state holds then, a door's place answered outside this middleware too).
     """
 
     def __init__(self, app: ASGIApp, serving: ServingContext) -> None:
@@ -236,8 +263,7 @@ class LoadSheddingMiddleware:
             await asyncio.sleep(0)  # the rest of a burst is admitted or refused before this request's work
             await self.app(scope, receive, send)
         finally:
-            if ticket.place is not None:
-                ticket.place.release()
+            release_ticket(state)
 
 
 def route_path(scope: Scope) -> str:
@@ -268,15 +294,14 @@ class ApiKeyMiddleware:
             return
         error = APIError(
             401,
-            "invalid or missing API key: send it as 'Authorization: Bearer <key>'",
+            "invalid or missing API key: send it once, as 'Authorization: Bearer <key>'",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
         await error.response()(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        # Headers decodes as Latin-1: encoding back gives the bytes the client sent.
-        return bearer_key_matches(Headers(scope=scope).get("authorization", "").encode("latin-1"), self._expected)
+        return api_key_matches(scope["headers"], self._expected)
 
 
 def valid_request_id(incoming: str) -> str:
@@ -284,7 +309,16 @@ def valid_request_id(incoming: str) -> str:
     return incoming if _VALID_REQUEST_ID.fullmatch(incoming) else uuid.uuid4().hex
 
 
-def bearer_key_matches(authorization: bytes, expected: bytes) -> bool:
+def api_key_matches(headers: Iterable[tuple[bytes, bytes]], expected: bytes) -> bool:
+    """Whether a request's headers (as the protocol parsed them: names in lower case, the bytes the client sent)
+    carry the API key: exactly one Authorization header, `Bearer <expected>`. The one reading both the door
+    (server/door.py) and ApiKeyMiddleware make: two Authorization headers are refused whatever they say, since
+    one reader taking the first and another the last would let a request through one check and not the other."""
+    values = [value for name, value in headers if name == b"authorization"]
+    return len(values) == 1 and _bearer_key_matches(values[0], expected)
+
+
+def _bearer_key_matches(authorization: bytes, expected: bytes) -> bool:
     """Whether an Authorization header's value is `Bearer <expected>`: the scheme in any case, as RFC 7235 has it,
     the key compared in constant time."""
     scheme, _, key = authorization.partition(b" ")
