@@ -7,18 +7,26 @@ Each is turned into the engine's StructuredOutput here, so the protocol models o
   `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
 - llama.cpp: top-level `json_schema` and `grammar` (GBNF).
 A request names at most one constraint; malformed ones raise FieldError (400) naming the field. Whether the
-grammar library compiles a constraint is checked by the engine at the door (400 with the library's reason).
+grammar library compiles a constraint is checked by the engine at the door (400 with the library's reason,
+named after the field by `naming_constraint_errors`).
+
+JSON schemas (here and in tools' parameters) are checked first (server/schema_checks.py): their nesting depth,
+and $ref loops no finite value gets through.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import json
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.engine import StructuredOutput
-from pagedserve.server.errors import FieldError
+from pagedserve.server.errors import APIError, FieldError
+from pagedserve.server.schema_checks import check_schema, check_schema_text
 
 # `schema` and `json` are BaseModel attributes' names: the fields take them as aliases.
 _ALIASED = ConfigDict(extra="ignore", populate_by_name=True)
@@ -46,9 +54,9 @@ class ResponseFormat(BaseModel):
         if self.type == "json_object":
             return json_constraint(self.schema_)
         if self.type == "json_schema":
-            if self.json_schema is None:
+            if self.json_schema is None or self.json_schema.schema_ is None:
                 raise ValueError("response_format json_schema needs a 'json_schema' object with the schema")
-            return json_constraint(self.json_schema.schema_)
+            return schema_constraint(self.json_schema.schema_)
         raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {self.type!r}")
 
 
@@ -62,6 +70,13 @@ class VllmStructuredOutputs(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+
+    def named(self) -> str | None:
+        """The field that names the constraint."""
+        given: list[tuple[str, object]] = [("json", self.json_), ("regex", self.regex), ("choice", self.choice)]
+        given.append(("grammar", self.grammar))
+        given.append(("json_object", self.json_object or None))
+        return next((name for name, value in given if value is not None), None)
 
     def constraint(self) -> StructuredOutput | None:
         return constraints_given(
@@ -87,6 +102,8 @@ def constraints_given(fields: dict[str, Named], where: str | None = None) -> Str
     for field, (build, value) in fields.items():
         if value is None:
             continue
+        if build == StructuredOutput.json_schema:  # server/protocol.py's guided_json and json_schema: checked too
+            build = schema_constraint
         try:
             constraint = build(value)
         except FieldError:
@@ -108,7 +125,57 @@ def json_constraint(schema: dict[str, Any] | bool | None) -> StructuredOutput:
 
 
 def schema_constraint(schema: dict[str, Any] | bool | str) -> StructuredOutput:
-    """A JSON schema's constraint; `true` and `false` are schemas too."""
+    """A JSON schema's constraint; `true` and `false` are schemas too. ValueError when it nests too deep or
+    admits no finite value (server/schema_checks.py)."""
     if isinstance(schema, bool):
         return StructuredOutput.json_schema("true" if schema else "false")
-    return StructuredOutput.json_schema(schema)
+    value: Any = schema
+    if isinstance(schema, str):
+        check_schema_text(schema)
+        try:
+            value = json.loads(schema)
+        except ValueError:
+            return StructuredOutput.json_schema(schema)  # its message says what is wrong
+    check_schema(value)
+    return StructuredOutput.json_schema(value)
+
+
+# The fields that name output constraints, as SamplingRequest.output_constraint reads them.
+CONSTRAINT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "json_schema",
+    "grammar",
+)
+_COMPILE_ERROR = re.compile(r"^invalid \w+ constraint: ")  # the engine's grammar compiler's messages
+
+
+def constraint_field(body: BaseModel) -> str | None:
+    """The field a request's output constraint comes from (constraints_given allows one)."""
+    return next(filter(None, (_naming(name, getattr(body, name, None)) for name in CONSTRAINT_FIELDS)), None)
+
+
+def _naming(name: str, value: object) -> str | None:
+    """`name`, or its part that names the constraint, when its value names one."""
+    if isinstance(value, VllmStructuredOutputs):
+        part = value.named()
+        return None if part is None else f"{name}.{part}"
+    if value is None or (isinstance(value, ResponseFormat) and value.type == "text"):
+        return None
+    return name
+
+
+@contextlib.contextmanager
+def naming_constraint_errors(param: str | None) -> Iterator[None]:
+    """The engine's compile errors name no field (it never saw the request's fields): they name `param`, the
+    field the constraint came from."""
+    try:
+        yield
+    except APIError as error:
+        if param is not None and _COMPILE_ERROR.match(error.message):
+            error.param = param
+        raise

@@ -1,26 +1,28 @@
 """Tool calling for chat completions: what `tools` and `tool_choice` ask of the engine, and the calls read back.
 
 - `none`: tools are shown to the model (the chat template renders them) and the reply is plain content.
-- `auto`: the model chooses; its calls are read back by the parser for its format (server/tool_parsers/).
+- `auto`: the model chooses; its calls are read back by the parser for its format (server/tool_parsers/). Only
+  calls to the request's tools count: a call to any other name stays content, like a malformed one.
 - `required`: a grammar forces a JSON array of one call or more (one when parallel_tool_calls is false), each
   `{"name": <a tool's name>, "parameters": <arguments matching its schema>}`, as vLLM does.
 - a named function: a grammar forces the arguments of that function, which are the whole reply.
-Forced calls always parse and match their schema.
+Forced calls always parse and match their schema. Parameter schemas are checked like response formats
+(server/schema_checks.py): their depth, and $ref loops no finite value gets through.
 """
 
 from __future__ import annotations
 
-import copy
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict
 from pydantic_core import PydanticCustomError
 
 from pagedserve.engine import StructuredOutput
 from pagedserve.server.errors import FieldError
+from pagedserve.server.schema_checks import check_schema
 from pagedserve.server.tool_parsers import PARSERS
 from pagedserve.server.tool_parsers.base import (
     ContentDelta,
@@ -38,23 +40,33 @@ FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_.\-]{1,64}$")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 ToolMode = Literal["none", "auto", "required", "named"]
 AUTO_TOOL_PARSERS = tuple(name for name in PARSERS if name != "json_array")  # formats models write by themselves
+CHAT_PARAMETERS = "tools.{index}.function.parameters"  # where a tool's parameters are, for errors that name them
+
+
+def _valid_name(name: str) -> str:
+    if not FUNCTION_NAME.match(name):
+        message = "function names are 1 to 64 letters, digits, '_', '.' or '-', got {name}"
+        raise PydanticCustomError("invalid_value", message, {"name": name})
+    return name
+
+
+def _valid_parameters(parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+    if parameters is not None:
+        check_schema(parameters)
+    return parameters
+
+
+FunctionName = Annotated[str, AfterValidator(_valid_name)]
+Parameters = Annotated[dict[str, Any] | None, AfterValidator(_valid_parameters)]
 
 
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    name: str
+    name: FunctionName
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: Parameters = None
     strict: bool | None = None  # forced calls always match their schema
-
-    @field_validator("name")
-    @classmethod
-    def _valid_name(cls, name: str) -> str:
-        if not FUNCTION_NAME.match(name):
-            message = "function names are 1 to 64 letters, digits, '_', '.' or '-', got {name}"
-            raise PydanticCustomError("invalid_value", message, {"name": name})
-        return name
 
 
 class ToolDefinition(BaseModel):
@@ -89,6 +101,7 @@ class ToolPlan:
     constraint: StructuredOutput | None = None
     parser: ToolParser | None = None  # reads calls back (auto, required)
     function_name: str | None = None  # the named function
+    param: str | None = None  # the field the constraint comes from, for its compile errors
 
     @property
     def calls_tools(self) -> bool:
@@ -96,48 +109,104 @@ class ToolPlan:
 
 
 def plan_tools(
-    tools: list[ToolDefinition] | None, choice: ToolChoice | None, parallel: bool, parser_name: str
+    tools: list[ToolDefinition] | None,
+    choice: ToolChoice | None,
+    parallel: bool,
+    parser_name: str,
+    parameters_param: str = CHAT_PARAMETERS,
 ) -> ToolPlan:
-    """FieldError when the choice names no given tool."""
+    """FieldError when the choice names no given tool. `parameters_param` is where the endpoint's requests put
+    a tool's parameters (formatted with its index)."""
     if not tools:
         if choice not in (None, "none", "auto"):  # auto is the Responses API's default, tools or not
-            raise FieldError(f"tool_choice {choice!r} needs tools", "tool_choice")
+            raise FieldError(f"tool_choice {_described(choice)} needs tools; the request gives none", "tool_choice")
         return ToolPlan("none")
     choice = "auto" if choice is None else choice
     if choice == "none":
         return ToolPlan("none")
     if choice == "auto":
-        return ToolPlan("auto", parser=PARSERS[parser_name]())
+        return ToolPlan("auto", parser=PARSERS[parser_name](tool.function.name for tool in tools))
     if choice == "required":
-        return ToolPlan(
-            "required", StructuredOutput.json_schema(_calls_schema(tools, parallel)), PARSERS["json_array"]()
-        )
-    named = next((tool for tool in tools if tool.function.name == choice.function.name), None)
-    if named is None:
+        constraint = StructuredOutput.json_schema(_calls_schema(tools, parallel))
+        param = parameters_param.format(index=0) if len(tools) == 1 else "tools"
+        return ToolPlan("required", constraint, PARSERS["json_array"](), param=param)
+    assert isinstance(choice, NamedToolChoice)
+    index = next((i for i, tool in enumerate(tools) if tool.function.name == choice.function.name), None)
+    if index is None:
         message = f"tool_choice names function {choice.function.name!r}, which is not among the tools"
         raise FieldError(message, "tool_choice")
-    parameters = named.function.parameters or EMPTY_PARAMETERS
-    return ToolPlan("named", StructuredOutput.json_schema(parameters), function_name=named.function.name)
+    named = tools[index].function
+    constraint = StructuredOutput.json_schema(named.parameters or EMPTY_PARAMETERS)
+    return ToolPlan("named", constraint, function_name=named.name, param=parameters_param.format(index=index))
+
+
+def _described(choice: ToolChoice | None) -> str:
+    return f"naming function {choice.function.name!r}" if isinstance(choice, NamedToolChoice) else repr(choice)
 
 
 def _calls_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]:
-    """A JSON array of calls, each naming one of the tools with arguments that match its parameters."""
+    """A JSON array of calls, each naming one of the tools with arguments that match its parameters. Each tool's
+    local $refs are rewritten to point where its schema now is: '#' meant its own root, not the array's."""
     calls = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": tool.function.name},
-                "parameters": copy.deepcopy(tool.function.parameters or EMPTY_PARAMETERS),
+                "parameters": relocated(
+                    tool.function.parameters or EMPTY_PARAMETERS, f"#/items/anyOf/{index}/properties/parameters"
+                ),
             },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for tool in tools
+        for index, tool in enumerate(tools)
     ]
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+# Where subschemas are, by keyword: maps of them, lists of them, and single ones (`items` is either).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_ONES = (
+    *("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames", "contentSchema"),
+    *("additionalProperties", "unevaluatedItems", "unevaluatedProperties"),
+)
+
+
+def relocated(schema: dict[str, Any], base: str) -> dict[str, Any]:
+    """A copy of `schema` whose local $refs ('#', '#/...') point into it at `base`, a JSON pointer to where it is
+    put in a bigger schema. Walks subschemas by keyword (a `$ref` key inside `enum` or `const` is data) and
+    iteratively (its depth is checked, but a copy must not recurse either)."""
+    root = dict(schema)
+    root.pop("$id", None)  # refs resolve from the bigger schema's root now, where `base` starts
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):  # JSON pointers; anchors stay
+            node["$ref"] = base + ref[1:]
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                node[key] = {name: _copied(sub, todo) for name, sub in node[key].items()}
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                node[key] = [_copied(sub, todo) for sub in node[key]]
+        for key in _SCHEMA_ONES:
+            if isinstance(node.get(key), dict):
+                node[key] = _copied(node[key], todo)
+    return root
+
+
+def _copied(sub: Any, todo: list[dict[str, Any]]) -> Any:
+    """A shallow copy of a subschema, queued to be walked; anything else (true, false) as it is."""
+    if not isinstance(sub, dict):
+        return sub
+    copy = dict(sub)
+    todo.append(copy)
+    return copy
 
 
 def new_call_id() -> str:

@@ -157,11 +157,11 @@ def test_every_constraint_field_is_honoured(url: str, fields: dict, check: Calla
     [
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"minimum": "a"}}}},
-            None,  # the grammar library's reason: it names what is wrong, not the field
+            "response_format",  # the grammar library's reason, naming the field it came from
             "minimum",
         ),
-        ({"guided_regex": "(unclosed"}, None, "unclosed group"),
-        ({"grammar": "root ::= missing_rule"}, None, "missing_rule"),
+        ({"guided_regex": "(unclosed"}, "guided_regex", "unclosed group"),
+        ({"grammar": "root ::= missing_rule"}, "grammar", "missing_rule"),
         ({"guided_choice": []}, "guided_choice", "non-empty"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex", "one output constraint"),

@@ -494,3 +494,44 @@ def test_garbage_never_raises_and_whole_calls_carry_valid_json(name: str) -> Non
         if name != "json_array":  # the others send a call only once its JSON is complete
             for streamed_call in streamed.tool_calls:
                 json.loads(streamed_call.arguments)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Only declared functions are called
+
+DECLARED = ("get_weather",)
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("hermes", hermes_block("delete_all", SIMPLE)),
+        ("hermes", "Sure.\n" + hermes_block("delete_all", SIMPLE) + "\n" + hermes_block("get_weather", SIMPLE)),
+        ("llama3_json", '<|python_tag|>{"name": "delete_all", "parameters": {"city": "Paris"}}'),
+        ("llama3_json", '{"name": "get_weather", "parameters": {}}; {"name": "delete_all", "parameters": {}}'),
+        ("mistral", 'Sure. [TOOL_CALLS][{"name": "delete_all", "arguments": {"city": "Paris"}}]'),
+        ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]delete_all[ARGS]{}'),
+    ],
+)
+def test_calls_to_undeclared_functions_stay_content(name: str, text: str) -> None:
+    assert assert_stream_matches_parse(PARSERS[name](DECLARED), text) == ParsedReply(text, [])
+    assert PARSERS[name]().parse(text).tool_calls  # without declared names, any name is called
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("hermes", "Sure.\n" + hermes_block("get_weather", SIMPLE)),
+        ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+        ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
+    ],
+)
+def test_calls_to_declared_functions_are_read(name: str, text: str) -> None:
+    assert assert_stream_matches_parse(PARSERS[name](DECLARED), text).tool_calls == [call("get_weather", SIMPLE)]
+
+
+def test_an_undeclared_hermes_call_after_a_streamed_one_streams_as_content() -> None:
+    """The first call was sent before the second showed it was not declared; the second is content."""
+    second = hermes_block("delete_all", SIMPLE)
+    streamed, _ = replay(HermesParser(DECLARED).stream(), [hermes_block("get_weather", SIMPLE), "\n", second])
+    assert streamed == ParsedReply(second, [call("get_weather", SIMPLE)])

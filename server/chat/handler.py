@@ -12,6 +12,7 @@ from pagedserve.server.chat.protocol import ChatCompletion, ChatCompletionReques
 from pagedserve.server.chat.reply import ChatReply
 from pagedserve.server.generation import Generation
 from pagedserve.server.reasoning import prompt_opens_reasoning
+from pagedserve.server.response_format import naming_constraint_errors
 from pagedserve.server.sse import sse_events, sse_response
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if ctx.splits_reasoning and params.structured_output is not None:  # the constraint is on the answer only
         constraint = params.structured_output.after_thinking(opened=thinks)
         params = dataclasses.replace(params, structured_output=constraint)
-    streams = await call.start([prompt], params, "messages", body.timeout)
+    with naming_constraint_errors(body.constraint_param(tools)):
+        streams = await call.start([prompt], params, "messages", body.timeout)
     logger.debug(
         "request %s: chat, %d prompt tokens, n=%d, stream=%s", call.request_id, len(prompt), params.n, body.stream
     )

@@ -21,6 +21,7 @@ from pagedserve.server.protocol import (
     Usage,
     unsupported,
 )
+from pagedserve.server.response_format import constraint_field
 from pagedserve.server.tools import MAX_TOOLS, ToolChoice, ToolDefinition, ToolPlan, plan_tools
 
 # ---- request -------------------------------------------------------------------------------------------
@@ -173,6 +174,10 @@ class ChatCompletionRequest(SamplingRequest):
             )
             raise FieldError(message, "tool_choice")
         return self.build_sampling_params(max_tokens, logprobs, self.prompt_logprobs, tools.constraint or constraint)
+
+    def constraint_param(self, tools: ToolPlan) -> str | None:
+        """The field the output constraint comes from, named by its compile errors."""
+        return tools.param if tools.constraint is not None else constraint_field(self)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [message.for_template() for message in self.messages]

@@ -23,6 +23,7 @@ from starlette.responses import Response
 from pagedserve.server.errors import APIError
 from pagedserve.server.generation import Generation, Streams, recorded
 from pagedserve.server.logs import RequestRecord
+from pagedserve.server.response_format import naming_constraint_errors
 from pagedserve.server.responses.output import ErrorEvent, LifecycleEvent, ResponseObject
 from pagedserve.server.responses.protocol import ResponsesRequest
 from pagedserve.server.responses.reply import EventSpec, ResponseReply
@@ -43,7 +44,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response 
         tools = body.tool_plan(call.ctx.tool_call_parser)
         params = body.sampling_params(tools)
         prompt = await call.engine.encode_chat(body.template_messages(), tools=body.template_tools())
-    streams = await call.start([prompt], params, "input", body.timeout)
+    with naming_constraint_errors(body.constraint_param(tools)):
+        streams = await call.start([prompt], params, "input", body.timeout)
     logger.debug("request %s: response, %d prompt tokens, stream=%s", call.request_id, len(prompt), body.stream)
     reply = ResponseReply(call.ctx, body, params, tools)
     if body.stream:

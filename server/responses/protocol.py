@@ -1,4 +1,5 @@
-"""OpenAI's Responses API (`POST /v1/responses`): the request body (what it answers: responses/output.py).
+"""OpenAI's Responses API (`POST /v1/responses`): the request body (its input items: responses/input.py; what it
+answers: responses/output.py).
 
 The server is stateless: nothing is stored, so everything that needs a stored response, conversation or prompt
 template is refused. Function tools and `text.format` (JSON schema, JSON object) work as on chat completions
@@ -26,12 +27,15 @@ from pagedserve.server.protocol import (
     TopLogprobs,
     unsupported,
 )
-from pagedserve.server.response_format import JsonSchemaFormat, json_constraint
+from pagedserve.server.response_format import JsonSchemaFormat, constraints_given, json_constraint
+from pagedserve.server.responses.input import InputItem, check_outputs_answer_calls, conversation_messages
 from pagedserve.server.tools import (
     MAX_TOOLS,
     FunctionDefinition,
+    FunctionName,
     NamedFunction,
     NamedToolChoice,
+    Parameters,
     ToolChoice,
     ToolDefinition,
     ToolPlan,
@@ -71,71 +75,13 @@ RESPONSES: dict[str, Refusal] = {
 # ---- request -------------------------------------------------------------------------------------------
 
 
-class InputText(RequestBody):
-    """A message's text part: `input_text`, or `output_text` in an earlier assistant turn sent back."""
-
-    type: Literal["input_text", "output_text"]
-    text: str
-
-
-class InputMessage(RequestBody):
-    """One message item; `type` may be left out. Other item fields (`id`, `status`) are ignored."""
-
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: list[InputText]
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, content: Any) -> Any:
-        if isinstance(content, str):
-            return [{"type": "input_text", "text": content}]
-        if not isinstance(content, list):
-            raise PydanticCustomError("invalid_type", "content must be a string or a list of text parts")
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind not in ("input_text", "output_text"):
-                message = "only text content parts (input_text, output_text) are supported, got '{kind}'"
-                raise PydanticCustomError("invalid_value", message, {"kind": str(kind)})
-        return content
-
-    def for_template(self) -> dict[str, Any]:
-        """The {"role", "content"} dict chat templates expect; developer is OpenAI's new system."""
-        text = "\n".join(part.text for part in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
-
-
-class FunctionCallItem(RequestBody):
-    """A call the model made in an earlier turn, sent back with the conversation."""
-
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str
-
-
-class FunctionCallOutputItem(RequestBody):
-    """What the application's function returned for a call."""
-
-    type: Literal["function_call_output"]
-    call_id: str
-    output: str | list[InputText]
-
-    @property
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "\n".join(part.text for part in self.output)
-
-
-InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
-
-
 class FunctionTool(RequestBody):
     """The Responses API's function tool: chat completions' definition, flattened."""
 
     type: Literal["function"]
-    name: str
+    name: FunctionName
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: Parameters = None
     strict: bool | None = None
 
     def as_chat_tool(self) -> ToolDefinition:
@@ -163,6 +109,8 @@ class TextFormat(JsonSchemaFormat):
     def constraint(self) -> StructuredOutput | None:
         if self.type == "text":
             return None
+        if self.type == "json_schema" and self.schema_ is None:  # as chat's response_format: no schema, no guess
+            raise ValueError("text.format json_schema needs the 'schema' beside its type")
         return json_constraint(None if self.type == "json_object" else self.schema_)
 
 
@@ -231,6 +179,12 @@ class ResponsesRequest(SamplingRequest):
             items.append({**item, "type": kind} if isinstance(item, dict) else item)
         return items
 
+    @field_validator("input")
+    @classmethod
+    def _outputs_answer_calls(cls, items: list[InputItem]) -> list[InputItem]:
+        check_outputs_answer_calls(items)
+        return items
+
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools_only(cls, tools: Any) -> Any:
@@ -251,17 +205,25 @@ class ResponsesRequest(SamplingRequest):
             chat_choice: ToolChoice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
         else:
             chat_choice = choice
-        return plan_tools([t.as_chat_tool() for t in self.tools], chat_choice, self.parallel_tool_calls, parser_name)
+        tools = [tool.as_chat_tool() for tool in self.tools]
+        return plan_tools(tools, chat_choice, self.parallel_tool_calls, parser_name, "tools.{index}.parameters")
 
     def sampling_params(self, tools: ToolPlan) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.wants_logprobs else None
         text_format = self.text.format if self.text is not None else None
-        constraint = None if text_format is None else text_format.constraint()
+        constraint = constraints_given({"text.format": (TextFormat.constraint, text_format)})
         if tools.constraint is not None and constraint is not None:
             raise FieldError(
                 f"tool_choice {tools.mode!r} forces a tool call; it cannot be combined with text.format", "text.format"
             )
         return self.build_sampling_params(self.max_output_tokens, logprobs, None, tools.constraint or constraint)
+
+    def constraint_param(self, tools: ToolPlan) -> str | None:
+        """The field the output constraint comes from, named by its compile errors."""
+        if tools.constraint is not None:
+            return tools.param
+        text_format = self.text.format if self.text is not None else None
+        return None if text_format is None or text_format.type == "text" else "text.format"
 
     def template_messages(self) -> list[dict[str, Any]]:
         system = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
@@ -269,30 +231,6 @@ class ResponsesRequest(SamplingRequest):
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [tool.as_chat_tool().for_template() for tool in self.tools] or None
-
-
-def conversation_messages(
-    items: list[InputMessage | FunctionCallItem | FunctionCallOutputItem],
-) -> list[dict[str, Any]]:
-    """Input items as chat messages: consecutive function calls are one assistant turn, outputs are tool turns."""
-    messages: list[dict[str, Any]] = []
-    for item in items:
-        if isinstance(item, InputMessage):
-            messages.append(item.for_template())
-        elif isinstance(item, FunctionCallOutputItem):
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
-        else:
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
-            }
-            previous = messages[-1] if messages else None
-            if previous is not None and previous["role"] == "assistant":  # the same turn's text, or calls
-                previous.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-    return messages
 
 
 def _accepted() -> tuple[str, ...]:

@@ -4,7 +4,8 @@ Each model family writes its calls its own way; one parser per way, by name in P
 agrees with `parse` of the whole reply whenever its calls are well formed: the content deltas, the call names
 and each call's concatenated argument fragments are what `parse` returns. A reply with a malformed call is
 plain content, with one exception in streams: a call already sent cannot be withdrawn, so a malformed call
-after it streams as content.
+after it streams as content. A call to a function the request did not declare (the parser's `declared`) counts
+as malformed: only the request's tools come back as calls.
 
 Arguments are always `json.dumps` text (its default separators, non-ASCII kept as is), whatever spacing and
 escapes the model used, so that streamed and whole replies match byte for byte.

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import ClassVar
+
+Declared = frozenset[str] | None  # the names calls may have; None: any (a parser used on its own)
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,12 @@ class ToolCallStream(ABC):
 
 
 class ToolParser(ABC):
+    """Reads calls to the `declared` functions: a call to any other name makes a malformed call (content)."""
+
     name: ClassVar[str]
+
+    def __init__(self, declared: Iterable[str] | None = None) -> None:
+        self.declared: Declared = None if declared is None else frozenset(declared)
 
     @abstractmethod
     def parse(self, text: str) -> ParsedReply:
@@ -82,12 +90,13 @@ def load_json(text: str) -> object:
         return NOT_JSON
 
 
-def call_from_json(value: object) -> ParsedToolCall | None:
-    """A `{"name": ..., "arguments" | "parameters": {...}}` object as a call; None when it is not one."""
+def call_from_json(value: object, declared: Declared = None) -> ParsedToolCall | None:
+    """A `{"name": ..., "arguments" | "parameters": {...}}` object as a call; None when it is not one, or calls a
+    function that is not declared."""
     if not isinstance(value, dict):
         return None
     name = value.get("name")
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not name or (declared is not None and name not in declared):
         return None
     arguments: object = next((value[key] for key in ARGUMENT_KEYS if value.get(key) is not None), {})
     if isinstance(arguments, str):  # some models write the arguments object as a JSON string
@@ -97,8 +106,8 @@ def call_from_json(value: object) -> ParsedToolCall | None:
     return ParsedToolCall(name, arguments_json(arguments))
 
 
-def call_from_text(text: str) -> ParsedToolCall | None:
-    return call_from_json(load_json(text))
+def call_from_text(text: str, declared: Declared = None) -> ParsedToolCall | None:
+    return call_from_json(load_json(text), declared)
 
 
 def all_calls(calls: list[ParsedToolCall | None]) -> list[ParsedToolCall] | None:
@@ -156,8 +165,9 @@ class Mode(Enum):
 class BufferedStream(ToolCallStream):
     """A stream that keeps the text it cannot send yet in `_buffer` and sends whole calls once they are complete."""
 
-    def __init__(self, mode: Mode) -> None:
+    def __init__(self, mode: Mode, declared: Declared) -> None:
         self._mode = mode
+        self._declared = declared
         self._buffer = ""
         self._held_space = ""  # whitespace before a call marker: content only if the call turns out malformed
         self._calls_sent = 0

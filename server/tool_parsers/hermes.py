@@ -31,20 +31,20 @@ class HermesParser(base.ToolParser):
                 return base.reply_of("".join(content), calls, text)
             content.append(segment.rstrip())
             body, _, rest = rest[start + len(HERMES_START) :].partition(HERMES_END)
-            call = base.call_from_text(body)
+            call = base.call_from_text(body, self.declared)
             if call is None:
                 return base.plain_reply(text)
             calls.append(call)
 
     def stream(self) -> base.ToolCallStream:
-        return _HermesStream()
+        return _HermesStream(self.declared)
 
 
 class _HermesStream(base.BufferedStream):
     """Sends each call whole at its `</tool_call>` (or at the end of the reply)."""
 
-    def __init__(self) -> None:
-        super().__init__(base.Mode.CONTENT)
+    def __init__(self, declared: base.Declared) -> None:
+        super().__init__(base.Mode.CONTENT, declared)
 
     def _step(self, final: bool) -> bool:
         if self._mode is base.Mode.CONTENT:
@@ -63,7 +63,7 @@ class _HermesStream(base.BufferedStream):
         block, end, rest = self._buffer.partition(HERMES_END)
         if not end and not final:
             return False
-        call = base.call_from_text(block[len(HERMES_START) :])
+        call = base.call_from_text(block[len(HERMES_START) :], self._declared)
         if call is None:
             self._send_content(self._held_space + block + end)
             self._mode = base.Mode.PLAIN

@@ -15,7 +15,8 @@ class JsonArrayParser(base.ToolParser):
 
     Its stream sends a call's name as soon as it is complete and its arguments as they arrive, rewritten as
     `json.dumps` would write them. An object with a key twice is the one case where they can differ from `parse`
-    (which keeps the last value); the grammar writes each key once.
+    (which keeps the last value); the grammar writes each key once. The grammar also writes only the declared
+    names, so `declared` is not consulted.
     """
 
     name = "json_array"

@@ -21,10 +21,10 @@ class Llama3JsonParser(base.ToolParser):
             body = body[len(PYTHON_TAG) :]
         elif not body.startswith("{"):
             return base.plain_reply(text)
-        return base.reply_of("", _llama3_calls(body), text)
+        return base.reply_of("", _llama3_calls(body, self.declared), text)
 
     def stream(self) -> base.ToolCallStream:
-        return _Llama3Stream()
+        return _Llama3Stream(self.declared)
 
 
 def _skip_space(text: str, position: int) -> int:
@@ -33,7 +33,7 @@ def _skip_space(text: str, position: int) -> int:
     return position
 
 
-def _llama3_calls(body: str) -> list[base.ParsedToolCall] | None:
+def _llama3_calls(body: str, declared: base.Declared) -> list[base.ParsedToolCall] | None:
     decoder = json.JSONDecoder()
     calls: list[base.ParsedToolCall] = []
     position = _skip_space(body, 0)
@@ -42,7 +42,7 @@ def _llama3_calls(body: str) -> list[base.ParsedToolCall] | None:
             value, position = decoder.raw_decode(body, position)
         except (ValueError, RecursionError):
             return None
-        call = base.call_from_json(value)
+        call = base.call_from_json(value, declared)
         if call is None:
             return None
         calls.append(call)
@@ -56,8 +56,8 @@ class _Llama3Stream(base.BufferedStream):
     """Content streams as it comes once the reply's start rules out calls; a reply of calls is parsed at its end
     (the model stops right after its calls, so little waits)."""
 
-    def __init__(self) -> None:
-        super().__init__(base.Mode.OPENING)
+    def __init__(self, declared: base.Declared) -> None:
+        super().__init__(base.Mode.OPENING, declared)
 
     def _step(self, final: bool) -> bool:
         if self._mode is base.Mode.OPENING:
@@ -72,6 +72,6 @@ class _Llama3Stream(base.BufferedStream):
         if self._mode is base.Mode.PLAIN:
             return self._send_all_as_content()
         if final:
-            self._send_reply(Llama3JsonParser().parse(self._buffer))
+            self._send_reply(Llama3JsonParser(self._declared).parse(self._buffer))
             self._buffer = ""
         return False
