@@ -17,7 +17,12 @@ from pydantic_core import PydanticCustomError
 from pagedserve.engine import SamplingParams, StructuredOutput
 from pagedserve.engine.sampling_params import MAX_TOP_LOGPROBS
 from pagedserve.server.fields import Refusal, refuse_unsupported
-from pagedserve.server.response_format import ResponseFormat, VllmStructuredOutputs, constraints_given
+from pagedserve.server.response_format import (
+    ResponseFormat,
+    VllmStructuredOutputs,
+    constraints_given,
+    schema_constraint,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters
@@ -151,11 +156,11 @@ class SamplingRequest(RequestBody):
             {
                 "response_format": (ResponseFormat.constraint, self.response_format),
                 "structured_outputs": (VllmStructuredOutputs.constraint, self.structured_outputs),
-                "guided_json": (StructuredOutput.json_schema, self.guided_json),
+                "guided_json": (schema_constraint, self.guided_json),
                 "guided_regex": (StructuredOutput.regex, self.guided_regex),
                 "guided_choice": (StructuredOutput.choice, self.guided_choice),
                 "guided_grammar": (StructuredOutput.grammar, self.guided_grammar),
-                "json_schema": (StructuredOutput.json_schema, self.json_schema),
+                "json_schema": (schema_constraint, self.json_schema),
                 "grammar": (StructuredOutput.grammar, self.grammar),
             }
         )

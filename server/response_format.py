@@ -102,8 +102,6 @@ def constraints_given(fields: dict[str, Named], where: str | None = None) -> Str
     for field, (build, value) in fields.items():
         if value is None:
             continue
-        if build == StructuredOutput.json_schema:  # server/protocol.py's guided_json and json_schema: checked too
-            build = schema_constraint
         try:
             constraint = build(value)
         except FieldError:
