@@ -26,6 +26,7 @@ from pagedserve.engine.worker import LoadedModel, ModelExecutor, ModelRunner, Ra
 
 logger = logging.getLogger(__name__)
 Sampled = tuple[int, TokenLogprob | None]  # a sequence's next token, and its logprobs when asked for
+COMPILE_POLL_SECONDS = 0.05  # with nothing to step but grammars compiling: how long a step waits for them
 
 
 @dataclass
@@ -125,8 +126,8 @@ class LLMEngine:
             eos_token_ids=self.loaded.eos_token_ids,
             arrival_time=arrival_time,
         )
-        self.constraints.attach(children)
-        self.scheduler.add_requests(children)
+        if self.constraints.attach(children):  # else its grammar compiles off the step loop: step() admits it
+            self.scheduler.add_requests(children)
         self._children.add(request_id, children)
         if params.detokenize:
             backend_tokenizer = self.tokenizer.backend_tokenizer
@@ -138,7 +139,7 @@ class LLMEngine:
         return self._finish_group(request_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.constraints.num_compiling > 0
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -150,7 +151,8 @@ class LLMEngine:
 
     def waiting_request_ids(self) -> set[str]:
         """Callers' ids of requests never scheduled yet (preempted ones were admitted once: not these)."""
-        return {r.parent_id for r in self.scheduler.waiting if r.status is RequestStatus.WAITING}
+        waiting = {r.parent_id for r in self.scheduler.waiting if r.status is RequestStatus.WAITING}
+        return waiting | self.constraints.compiling_ids()
 
     @property
     def num_tokens_processed(self) -> int:
@@ -158,9 +160,10 @@ class LLMEngine:
 
     def snapshot(self) -> EngineSnapshot:
         constraints = self.constraints.stats()
+        constraints_compiling = self.constraints.num_compiling  # waiting too, outside the scheduler
         return EngineSnapshot(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + constraints_compiling,
             num_unfinished=len(self._children),
             queue_capacity=self.scheduler.queue_capacity(),
             kv_cache_usage=self.kv.usage(),
@@ -199,14 +202,42 @@ class LLMEngine:
         return 1.0 if self.executor.has_ranks else None
 
     def close(self) -> None:
-        """Ends the tensor-parallel ranks (nothing else holds resources beyond this object)."""
+        """Ends the tensor-parallel ranks and the grammar worker (nothing else outlives this object)."""
+        self.constraints.close()
         self.executor.close()
 
     # ---- one step ----------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceDelta]:
         """One forward pass and its tokens. A request whose sampling or detokenization fails is failed alone
-        (its blocks freed); the others carry on with the tokens they would have had without it."""
+        (its blocks freed); the others carry on with the tokens they would have had without it.
+
+        Requests whose grammar has compiled since the last step join first (one that failed to compile ends
+        with its error); with nothing else to run, the step waits a moment for a compile rather than spin."""
+        if not self.scheduler.has_unfinished():
+            self.constraints.wait_compiled(COMPILE_POLL_SECONDS)
+        deltas = self._admit_compiled()
+        return deltas + self._step() if self.scheduler.has_unfinished() else deltas
+
+    def _admit_compiled(self) -> list[SequenceDelta]:
+        ready, failed = self.constraints.take_compiled()
+        for sequences in ready:
+            try:
+                self.scheduler.add_requests(sequences)
+            except Exception as exc:  # the queue filled while it compiled
+                failed.append((sequences, str(exc)))
+        return [d for sequences, why in failed for d in self._end_unscheduled(sequences, why)]
+
+    def _end_unscheduled(
+        self, sequences: list[Request], error: str | None, status: RequestStatus = RequestStatus.FINISHED_ERROR
+    ) -> list[SequenceDelta]:
+        """Final deltas of sequences the scheduler never held (their grammar was compiling)."""
+        for sequence in sequences:
+            sequence.status = status
+            sequence.times.finished = time.monotonic()
+        return [self._final_delta(sequence, error) for sequence in sequences]
+
+    def _step(self) -> list[SequenceDelta]:
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -229,7 +260,9 @@ class LLMEngine:
         failed |= self.constraints.consume(sampling, tokens)
         deltas = [d for rid, why in failed.items() for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, why)]
         progressed = self.scheduler.update(out, tokens)
-        jumped = self.constraints.settle(progressed, self.scheduler)
+        jumped, broken = self.constraints.settle(progressed, self.scheduler)
+        deltas += [d for rid, why in broken.items() for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, why)]
+        progressed = [r for r in progressed if r.parent_id not in broken]
         num_new = {r.request_id: 1 + len(jumped.get(r.request_id, ())) for r in progressed}
         for request in progressed:
             deltas += self._delta_or_failure(request, sampled[request.request_id][1], num_new[request.request_id])
@@ -336,7 +369,7 @@ class LLMEngine:
         self._children.discard(request)
 
     def _finish_group(self, request_id: str, status: RequestStatus, error: str | None = None) -> list[SequenceDelta]:
-        deltas = []
+        deltas = self._end_unscheduled(self.constraints.cancel(request_id), error, status)
         for child_id in self._children.members(request_id):
             request = self.scheduler.finish(child_id, status)
             if request is not None:
