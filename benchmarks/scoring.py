@@ -1,10 +1,15 @@
-"""Scoring through the server, as lm-evaluation-harness's `local-completions` model does, against transformers.
+"""Scoring through the server: its accuracy against transformers, and what a long scoring request costs.
 
-For each (context, continuation) pair it asks /v1/completions for `echo=true, logprobs=1, max_tokens=0` on the
-token ids of context + continuation, sums the continuation tokens' logprobs (the loglikelihood) and checks
-whether each was the greedy choice, then computes the same with transformers on the same model in float32.
+1. Accuracy, as lm-evaluation-harness's `local-completions` model scores: for each (context, continuation) pair
+   it asks /v1/completions for `echo=true, logprobs=1, max_tokens=0` on the token ids of context + continuation,
+   sums the continuation tokens' logprobs (the loglikelihood) and checks whether each was the greedy choice, then
+   computes the same with transformers on the same model in float32.
+2. Cost (benchmarks/scoring_cost.py): a ~3,000-token prompt with `max_tokens: 1` with and without
+   `prompt_logprobs: 20` (and echo + logprobs 20), each beside a streaming request whose longest wait between
+   chunks it reports (targets: scoring within 2x of the same prefill, no wait longer than one full step).
 
-    python -m benchmarks.scoring [--pairs 64] [any engine flag]
+    python -m benchmarks.scoring [--pairs 64] [--prompt-tokens 3000] [--rounds 2] [--skip-accuracy] [--skip-cost]
+        [engine flags]
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import httpx
 import torch
 import transformers
 
+from benchmarks.scoring_cost import print_cost, scoring_cost
 from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.engine_args import add_engine_args, engine_config
@@ -76,6 +82,10 @@ def reference_scores(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=3000, help="the long prompt of the cost figures")
+    parser.add_argument("--rounds", type=int, default=2, help="the cost figures' best of this many rounds")
+    parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--skip-cost", action="store_true")
     add_engine_args(parser)
     args = parser.parse_args()
     engine = AsyncEngine.from_config(engine_config(args)).start()
@@ -85,10 +95,22 @@ def main() -> None:
     tokens = [(tokenizer.encode(c), tokenizer.encode(x, add_special_tokens=False)) for c, x in pairs(args.pairs)]
     try:
         with BackgroundServer(create_app(engine, ServerSettings([MODEL]))) as server:
-            ours, our_seconds = server_scores(server.url, tokens)
+            ours, our_seconds = ([], 0.0) if args.skip_accuracy else server_scores(server.url, tokens)
+            cost = (
+                None if args.skip_cost else scoring_cost(server.url, MODEL, tokenizer, args.prompt_tokens, args.rounds)
+            )
     finally:
         engine.shutdown()
-    theirs, their_seconds = reference_scores(engine.info.model_dir, tokens)
+    if not args.skip_accuracy:
+        print_accuracy(engine.info.model_dir, tokens, ours, our_seconds)
+    if cost is not None:
+        print_cost(cost, args.prompt_tokens)
+
+
+def print_accuracy(
+    model_dir: str, tokens: list[tuple[list[int], list[int]]], ours: list[tuple[float, bool]], our_seconds: float
+) -> None:
+    theirs, their_seconds = reference_scores(model_dir, tokens)
     differences = [abs(a[0] - b[0]) for a, b in zip(ours, theirs)]
     greedy_agree = sum(a[1] == b[1] for a, b in zip(ours, theirs))
     num_tokens = sum(len(c) + len(x) for c, x in tokens)

@@ -16,6 +16,15 @@ class TokenLogprob:
 PromptLogprobs = list[TokenLogprob | None]  # one per prompt token; the first is None (nothing precedes it)
 
 
+def scored_positions(num_computed: int, num_new: int, num_scored: int, num_prompt_tokens: int) -> range:
+    """The positions whose prompt logprob a step computing positions [num_computed, num_computed + num_new)
+    scores: position p's hidden state gives token p + 1's logprob, so the last prompt position (the first
+    generated token's) is not among them, nor are positions scored already (`num_scored` tokens, kept across a
+    preemption). The scheduler charges them to the step's budget; the worker scores them."""
+    first = max(num_computed, num_scored)
+    return range(first, max(first, min(num_computed + num_new, num_prompt_tokens - 1)))
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float

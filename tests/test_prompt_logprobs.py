@@ -3,7 +3,7 @@ through the server, OpenAI's echo scoring and vLLM's prompt_logprobs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -15,6 +15,12 @@ import transformers
 from pagedserve.engine import SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.llm_engine import LLMEngine
+from pagedserve.engine.outputs import TokenLogprob, scored_positions
+from pagedserve.engine.scheduling.kv_cache_manager import KVCacheManager
+from pagedserve.engine.scheduling.request import Request
+from pagedserve.engine.scheduling.scheduler import Scheduler
+from pagedserve.engine.worker import model_runner
+from pagedserve.engine.worker.batch import PromptRows
 from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
 from tests.servers import served_engine
@@ -22,6 +28,7 @@ from tests.test_engine import run
 
 MODEL = "smol"
 TOLERANCE = 1e-4
+LogitsFunction = Callable[[torch.Tensor], torch.Tensor]
 TEXT = "The quick brown fox jumps over the lazy dog, then naps under a tree by the river bank. " * 3
 
 
@@ -101,6 +108,64 @@ def test_parallel_samples_share_the_prompt_scores(smol_loaded: LoadedModel, prom
     params = SamplingParams(n=3, max_tokens=2, temperature=1.0, seed=1, prompt_logprobs=0)
     deltas = all_deltas(engine, {"a": (prompt, params)})["a"]
     assert torch.equal(scored(deltas, 0), scored(deltas, 1)) and torch.equal(scored(deltas, 0), scored(deltas, 2))
+
+
+def test_a_long_prompt_scores_over_steps_within_the_token_budget(
+    smol_loaded: LoadedModel, prompt: list[int], reference: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scored prompt token costs two of a step's budget (its forward row and its LM-head row): no step does
+    more rows than the budget, the scoring spreads over steps, and a decoding request keeps its turn in each."""
+    budget = 16
+    steps: list[tuple[int, int]] = []  # (forward rows, scored rows) of each step that scores
+    real_score = model_runner.score
+
+    def recording(logits: LogitsFunction, hidden: torch.Tensor, wanted: list[PromptRows]) -> dict[str, list]:
+        steps.append((len(hidden), sum(len(w.rows) for w in wanted)))
+        return real_score(logits, hidden, wanted)
+
+    monkeypatch.setattr(model_runner, "score", recording)
+    engine = engine_for(smol_loaded, max_num_batched_tokens=budget)
+    engine.add_request("decode", prompt[:5], SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.add_request("score", prompt, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    deltas, decoded = [], []
+    while "score" in engine.request_ids():
+        step = engine.step()
+        deltas += [d for d in step if d.request_id == "score"]
+        decoded.append(any(d.request_id == "decode" for d in step))
+    assert all(forward + rows <= budget for forward, rows in steps), steps
+    assert sum(rows for _, rows in steps) == len(prompt) - 1 and len(steps) >= 2 * len(prompt) // budget
+    assert all(decoded)
+    assert (scored(deltas) - reference).abs().max() < TOLERANCE
+
+
+def chunk_sizes(request: Request, budget: int) -> list[int]:
+    """The tokens each step gives a lone request, its prompt logprobs filled in as the engine would."""
+    scheduler = Scheduler(KVCacheManager(num_blocks=32, block_size=4), 4, budget, max_model_len=64, max_queue_len=4)
+    scheduler.add_request(request)
+    sizes = []
+    while request.num_computed_tokens < request.num_tokens:
+        out = scheduler.schedule()
+        (item,) = out.scheduled
+        positions = scored_positions(
+            request.num_computed_tokens, item.num_new_tokens, len(request.prompt_logprobs), request.num_prompt_tokens
+        )
+        request.prompt_logprobs += [TokenLogprob(0, 0.0)] * len(positions)
+        scheduler.update(out, {})
+        sizes.append(item.num_new_tokens)
+    return sizes
+
+
+def test_a_scored_token_costs_two_of_the_budget_and_one_once_scored() -> None:
+    """24 of 25 prompt tokens are scored: 5 a step in a budget of 10 (the last one's 4 + the unscored token).
+    Recomputed after a preemption, the 10 tokens scored already cost one each."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    assert chunk_sizes(Request("a", list(range(100, 125)), params, max_tokens=1), budget=10) == [5, 5, 5, 5, 5]
+    preempted = Request("b", list(range(100, 125)), params, max_tokens=1)
+    preempted.prompt_logprobs = [TokenLogprob(0, 0.0)] * 10
+    assert chunk_sizes(preempted, budget=10) == [10, 5, 5, 5]
+    assert chunk_sizes(Request("c", list(range(100, 125)), params, max_tokens=1), budget=1) == [1] * 25
+    assert chunk_sizes(Request("d", list(range(100, 125)), SamplingParams(max_tokens=1), 1), budget=10) == [10, 10, 5]
 
 
 def test_max_tokens_0_needs_n_1() -> None:

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedserve.engine.outputs import scored_positions
 from pagedserve.engine.scheduling.kv_cache_manager import KVCacheManager
 from pagedserve.engine.scheduling.parallel_sampling import PendingForks
 from pagedserve.engine.scheduling.request import Request, RequestStatus
@@ -118,11 +119,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new, cost = _fit(request, request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, out.preempted):
                 break  # the request preempted itself: nothing after it is left running
             out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+            budget -= cost
             index += 1
         if not out.preempted:
             self._admit_waiting(out, budget)
@@ -155,7 +156,7 @@ class Scheduler:
             if len(self.running) + self.forks.seats_needed(request) > self.max_num_seqs:
                 break
             hits, num_cached = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new, cost = _fit(request, num_cached, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
@@ -165,7 +166,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+            budget -= cost
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advances computed tokens, appends sampled tokens, finishes requests that hit a token-level stop.
@@ -240,3 +241,32 @@ class Scheduler:
         request.times.finished = time.monotonic()
         self.kv.free(request)
         return request
+
+
+def _fit(request: Request, num_computed: int, budget: int) -> tuple[int, int]:
+    """How many of the request's next tokens this step takes, and what they cost of the token budget.
+
+    A token costs one; a prompt token whose position is scored (prompt logprobs) costs two: its forward row, and
+    its row through the LM head and the log-softmax, top-k and rank passes over the vocabulary, which costs less
+    than a forward row. So a scoring step never takes longer than a full-budget step: a long prompt's scoring
+    spreads over more, shorter steps, and the other requests' tokens come between them. At least one token, to
+    progress (a budget of one then takes two).
+    """
+    remaining = request.num_tokens - num_computed
+    num_new = min(remaining, budget)
+    if request.params.prompt_logprobs is None:
+        return num_new, num_new
+    window = scored_positions(num_computed, remaining, len(request.prompt_logprobs), request.num_prompt_tokens)
+    if not window:
+        return num_new, num_new
+    before = window.start - num_computed
+    segments = [(before, 1), (len(window), 2), (remaining - before - len(window), 1)]  # (tokens, cost of each)
+    taken, left = 0, budget
+    for length, cost in segments:
+        take = min(length, left // cost)
+        taken, left = taken + take, left - take * cost
+        if take < length:
+            break
+    if taken == 0:  # a budget of one and a scored token next
+        return 1, 2
+    return taken, budget - left

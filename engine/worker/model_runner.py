@@ -23,7 +23,7 @@ from pagedserve.engine.worker.cuda_graphs import Capture, DecodeGraphs
 from pagedserve.engine.worker.distributed.commands import Command, send_command
 from pagedserve.engine.worker.models import KVCache, LlamaForCausalLM
 from pagedserve.engine.worker.native_decoder import bind_kv_caches
-from pagedserve.engine.worker.prompt_logprobs import LM_HEAD_ROWS, PromptRows, rows_to_score, score
+from pagedserve.engine.worker.prompt_logprobs import PromptRows, lm_head_chunks, rows_to_score, score
 from pagedserve.kernels import AttentionMetadata, KernelBackend
 
 
@@ -100,8 +100,8 @@ class ShardRunner:
         start = time.perf_counter()
         hidden = self.forward(inputs)
         self.model.compute_logits(hidden[inputs.logits_indices])
-        for start in range(0, len(prompt_rows), LM_HEAD_ROWS):
-            self.model.compute_logits(hidden[prompt_rows[start : start + LM_HEAD_ROWS].to(self.device)])
+        for part in lm_head_chunks(len(prompt_rows), self.device):
+            self.model.compute_logits(hidden[prompt_rows[part].to(self.device)])
         self.forward_seconds += time.perf_counter() - start
         self.num_tokens_processed += len(inputs.input_ids)
 
