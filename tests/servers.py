@@ -7,6 +7,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
@@ -63,3 +64,24 @@ def wait_ready(process: subprocess.Popen, url: str, timeout: float) -> bool:
             pass
         time.sleep(0.2)
     return False
+
+
+@contextlib.contextmanager
+def server_process(command: list[str], url: str, log: Path, startup_seconds: float) -> Iterator[subprocess.Popen]:
+    """`command` (a `pagedserve serve`) in a process of its own, logging to `log`, once `url` is ready; terminated
+    (killed if it will not stop) on the way out."""
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            command, cwd=Path(__file__).resolve().parents[1], stdout=sink, stderr=subprocess.STDOUT
+        )
+    try:
+        if not wait_ready(process, url, startup_seconds):
+            raise RuntimeError(f"the server did not become ready:\n{log.read_text()[-3000:]}")
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

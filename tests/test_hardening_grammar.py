@@ -23,7 +23,7 @@ from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.structured import grammar
 from pagedserve.engine.structured.grammar import GrammarCompiler
 from pagedserve.engine.worker.model_loader import LoadedModel
-from tests.servers import free_port, wait_ready
+from tests.servers import free_port, server_process
 from tests.test_engine import prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,20 +148,9 @@ def server(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempP
         sys.executable, "-m", "pagedserve.server.cli", "serve", str(tiny_model_dir("llama")),
         "--served-model-name", "tiny", "--port", str(port), "--num-kv-blocks", "128", "--num-threads", "1",
     ]  # fmt: skip
-    with log.open("w") as sink:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        if not wait_ready(process, url, STARTUP_SECONDS):
-            pytest.fail(f"the server did not become ready:\n{log.read_text()[-3000:]}")
+    with server_process(command, url, log, STARTUP_SECONDS):
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.mark.slow

@@ -26,9 +26,8 @@ from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, cli
 from tests.raw_http import RawResponse, connect, http_series, read_response, request_bytes
-from tests.servers import free_port, running_engine, serving, wait_ready
+from tests.servers import free_port, running_engine, server_process, serving
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
 KEY = "s3cret"
 CONFIG = EngineConfig(num_kv_blocks=256, max_num_seqs=4)
@@ -78,20 +77,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Callable[[s
         "--header-timeout", str(HEADER_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS),
         "--num-kv-blocks", "256", "--num-threads", "1",
     ]  # fmt: skip
-    with log.open("w") as sink:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
-    server = Served(process, f"http://127.0.0.1:{port}", log)
-    try:
-        if not wait_ready(process, server.url, STARTUP_SECONDS):
-            pytest.fail(f"the server did not become ready:\n{log.read_text()[-3000:]}")
-        yield server
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    url = f"http://127.0.0.1:{port}"
+    with server_process(command, url, log, STARTUP_SECONDS) as process:
+        yield Served(process, url, log)
 
 
 def closed_within(sock: socket.socket, seconds: float) -> bool:
