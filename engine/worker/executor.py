@@ -91,7 +91,7 @@ class ModelExecutor:
         """Logits of the sequences that sample this step, and the prompt logprobs asked for. Split over ranks, a
         failure may leave them out of step: then it is a lost rank, and nothing more can run."""
         try:
-            return self.runner.execute(list(scheduled), copies)
+            return self.runner.execute(scheduled, copies)
         except Exception as exc:
             if self.workers is not None:
                 raise self.workers.lost(exc) from exc

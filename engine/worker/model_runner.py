@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -121,13 +122,13 @@ class ModelRunner(ShardRunner):
         self.kv = kv_manager
         self.group = model.group
 
-    def pack(self, scheduled: list[ScheduledSequence]) -> HostBatch:
+    def pack(self, scheduled: Sequence[ScheduledSequence]) -> HostBatch:
         """Flat inputs for all scheduled requests."""
         if scheduled and all(s.num_new_tokens == 1 for s in scheduled):
             return self._pack_decode(scheduled)
         return self._pack_any(scheduled)
 
-    def _pack_any(self, scheduled: list[ScheduledSequence]) -> HostBatch:
+    def _pack_any(self, scheduled: Sequence[ScheduledSequence]) -> HostBatch:
         """pack() for any step: vectorised over tokens, a loop only over requests."""
         requests = [s.request for s in scheduled]
         num_new = [s.num_new_tokens for s in scheduled]
@@ -155,7 +156,7 @@ class ModelRunner(ShardRunner):
             seq_lens_host=seq_lens,
         )
 
-    def _pack_decode(self, scheduled: list[ScheduledSequence]) -> HostBatch:
+    def _pack_decode(self, scheduled: Sequence[ScheduledSequence]) -> HostBatch:
         """pack() for a step of one new token a request (decode): plain lists over the requests, then one tensor
         a field. The general path's twenty-odd small tensor ops cost ~1 ms, a tenth of a one-sequence step."""
         requests = [s.request for s in scheduled]
@@ -176,7 +177,7 @@ class ModelRunner(ShardRunner):
             seq_lens_host=seq_lens,
         )
 
-    def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
+    def prepare(self, scheduled: Sequence[ScheduledSequence]) -> StepInputs:
         batch = self.pack(scheduled)
         return self.to_inputs(batch, rows_to_score(scheduled, batch.query_start_loc))
 
@@ -191,7 +192,9 @@ class ModelRunner(ShardRunner):
         return out
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence], copies: list[tuple[int, int]] | None = None) -> StepLogits:
+    def execute(
+        self, scheduled: Sequence[ScheduledSequence], copies: list[tuple[int, int]] | None = None
+    ) -> StepLogits:
         """Logits for the scheduled requests that sample this step, and the prompt logprobs asked for."""
         batch = self.pack(scheduled)
         prompt_rows = rows_to_score(scheduled, batch.query_start_loc)

@@ -10,7 +10,7 @@ scored row to the step's token budget (Scheduler._fit), so a long prompt's scori
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ def lm_head_chunks(num_rows: int, device: torch.device) -> list[slice]:
     return [slice(start, end) for start, end in zip(starts, [*starts[1:], num_rows])]
 
 
-def rows_to_score(scheduled: list[ScheduledSequence], query_start_loc: torch.Tensor) -> list[PromptRows]:
+def rows_to_score(scheduled: Sequence[ScheduledSequence], query_start_loc: torch.Tensor) -> list[PromptRows]:
     """What this step scores: a loop over requests, vectorised over their tokens."""
     wanted = []
     for index, item in enumerate(scheduled):
