@@ -84,7 +84,8 @@ import httpx
 # sets OMP_WAIT_POLICY=PASSIVE in this process (pagedserve's default), which the other servers must not inherit.
 USER_ENV = dict(os.environ)
 
-from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, materialize_gguf  # noqa: E402 (after USER_ENV)
+from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path  # noqa: E402 (after USER_ENV)
+from pagedserve.engine.worker.weights.gguf_files import dequantized_model_dir  # noqa: E402
 from pagedserve.server.benchmark import BenchmarkConfig, run_benchmark_async  # noqa: E402
 
 SERVERS = ("pagedserve", "pagedserve-float32", "transformers", "llama.cpp")
@@ -845,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
     stop_on_sigterm()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     gguf = embedded_gguf_path()
-    model = Model(gguf=gguf, checkpoint=materialize_gguf(gguf))
+    model = Model(gguf=gguf, checkpoint=dequantized_model_dir(gguf))
     meta = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
     meta |= {"gguf": str(gguf), "checkpoint": str(model.checkpoint), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     runs: list[dict[str, Any]] = []

@@ -35,9 +35,10 @@ def child(num_requests: int, output_len: int) -> None:
     from benchmarks.throughput import pagedserve_run
     from benchmarks.workloads import chat_prompts
     from pagedserve.engine import LLM
-    from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, materialize_gguf
+    from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path
+    from pagedserve.engine.worker.weights.gguf_files import dequantized_model_dir
 
-    llm = LLM(model=str(materialize_gguf(embedded_gguf_path())), max_num_seqs=64, max_num_batched_tokens=2048)
+    llm = LLM(model=str(dequantized_model_dir(embedded_gguf_path())), max_num_seqs=64, max_num_batched_tokens=2048)
     prompts = chat_prompts(llm.tokenizer, num_requests, 20, 400)
     pagedserve_run(llm, prompts[:4], 4)  # warm-up
     result, _ = pagedserve_run(llm, prompts, output_len)

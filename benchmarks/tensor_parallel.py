@@ -47,9 +47,10 @@ def smollm2_shaped_model(folder: Path) -> Path:
     """SmolLM2-135M's sizes, with heads that split over 2 and 3 ranks; config and tokenizer only."""
     import transformers
 
-    from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, materialize_gguf
+    from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path
+    from pagedserve.engine.worker.weights.gguf_files import dequantized_model_dir
 
-    smol = materialize_gguf(embedded_gguf_path())
+    smol = dequantized_model_dir(embedded_gguf_path())
     config = transformers.AutoConfig.from_pretrained(smol)
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = 12, 6, 48
     config.architectures = ["LlamaForCausalLM"]

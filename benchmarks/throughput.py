@@ -22,7 +22,8 @@ import transformers
 
 from benchmarks.workloads import chat_prompts
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, iter_safetensors, materialize_gguf
+from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, iter_safetensors
+from pagedserve.engine.worker.weights.gguf_files import dequantized_model_dir
 
 
 @dataclass
@@ -127,7 +128,7 @@ def main() -> None:
     if args.quick:
         args.num_requests, args.output_len, args.one_at_a_time_requests = 16, 32, 2
 
-    model_dir = materialize_gguf(embedded_gguf_path())
+    model_dir = dequantized_model_dir(embedded_gguf_path())
     llm = LLM(model=str(model_dir), max_num_seqs=max(64, args.num_requests), max_num_batched_tokens=2048)
     prompts = chat_prompts(llm.tokenizer, args.num_requests, args.min_prompt, args.max_prompt)
     print(

@@ -1,11 +1,9 @@
-"""`python -m engine`: prepares the embedded default model (converts its GGUF once, saves its quantized
-blocks) and prints its folder."""
+"""`python -m pagedserve.engine`: prepares the embedded default model (reads its GGUF file's config, tokenizer and
+tensor index once, a few MB beside the file's own cache) and prints its folder."""
 
 import logging
 
-from pagedserve.engine.worker import embedded_gguf_path, materialize_gguf, save_blocks_once
+from pagedserve.engine.worker import embedded_gguf_path, gguf_model_dir
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-model_dir = materialize_gguf(embedded_gguf_path())
-save_blocks_once(model_dir)
-print(model_dir)
+print(gguf_model_dir(embedded_gguf_path()))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.kernels.quantized import FORMATS, QuantizedWeight, quantized_linear
+from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 
 
 @dataclass
@@ -80,15 +81,18 @@ class KernelBackend(ABC):
         return F.linear(x, weight, bias)
 
     def quantized_linear(
-        self, x: torch.Tensor, weight: AnyQuantizedWeight, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: ProjectionWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """linear() with a weight in a quantized block format, as `place_quantized` returned it; same output
-        layout."""
+        """linear() with a weight in a quantized block format, as `place_quantized` returned it (or parts of
+        them stacked by rows); same output layout."""
+        if isinstance(weight, RowStackedWeight):
+            products = [self.quantized_linear(x, part, _rows(bias, a, b)) for part, a, b in weight.row_ranges()]
+            return torch.cat(products, dim=-1)
         if not isinstance(weight, QuantizedWeight):
             raise TypeError(f"the {self.name} backend multiplies CPU blocks, got a weight on {weight.device}")
         return quantized_linear(x, weight, bias)
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | AnyQuantizedWeight) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | ProjectionWeight) -> torch.Tensor:
         """hidden [R, H] @ weight^T as dense token-major rows [R, V]: the LM head, whose rows the sampler reads."""
         if isinstance(weight, torch.Tensor):
             return self.linear(hidden, weight).contiguous()
@@ -141,3 +145,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rows(bias: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    return None if bias is None else bias[start:stop]

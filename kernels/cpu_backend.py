@@ -27,9 +27,9 @@ from pagedserve.kernels.cpu_native import (
     decode_attention_kernel,
     write_kv_kernel,
 )
-from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.kernels.quantized import QuantizedWeight, quantized_linear
+from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 
 # Batches of up to this many rows compute x @ W^T as (W @ x^T)^T: the same product, which MKL blocks better
 # in that orientation when x has few rows. Measured on every projection of SmolLM2 (fp32, 2 cores,
@@ -126,14 +126,18 @@ class CpuBackend(KernelBackend):
         return out if bias is None else out + bias
 
     def quantized_linear(
-        self, x: torch.Tensor, weight: AnyQuantizedWeight, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: ProjectionWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if not isinstance(weight, QuantizedWeight) or not _feature_major(x):
+        parts = weight.row_ranges() if isinstance(weight, RowStackedWeight) else [(weight, 0, weight.shape[0])]
+        products = [(part, start, stop) for part, start, stop in parts if isinstance(part, QuantizedWeight)]
+        if len(products) != len(parts) or not _feature_major(x):
             return super().quantized_linear(x, weight, bias)
         out = torch.empty(weight.shape[0], x.shape[0]).t()  # feature-major, as linear() returns
-        return quantized_linear(x, weight, bias, out=out)
+        for part, start, stop in products:  # each part fills its own columns of one output
+            quantized_linear(x, part, None if bias is None else bias[start:stop], out=out[:, start:stop])
+        return out
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | AnyQuantizedWeight) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | ProjectionWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):  # the kernel writes rows as they are asked for: no transposed copy
             return quantized_linear(hidden, weight)
         return super().logits(hidden, weight)

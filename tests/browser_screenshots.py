@@ -15,7 +15,8 @@ import httpx
 
 from pagedserve.engine import EngineConfig
 from pagedserve.engine.worker.model_loader import load_model
-from pagedserve.engine.worker.weights.checkpoint import EMBEDDED_NAME, embedded_gguf_path, materialize_gguf
+from pagedserve.engine.worker.weights.checkpoint import EMBEDDED_NAME, embedded_gguf_path
+from pagedserve.engine.worker.weights.gguf_files import dequantized_model_dir
 from pagedserve.server import ServerSettings
 from tests.browser import Browser, require_chromium
 from tests.servers import running_engine, serving
@@ -56,7 +57,7 @@ def keep_busy(url: str, stop: threading.Event) -> None:
 
 
 def main(folder: Path) -> None:
-    loaded = load_model(EngineConfig(model=str(materialize_gguf(embedded_gguf_path()))))
+    loaded = load_model(EngineConfig(model=str(dequantized_model_dir(embedded_gguf_path()))))
     config = EngineConfig(num_kv_blocks=512, max_num_seqs=8)
     with (
         running_engine(config, loaded) as engine,

@@ -20,7 +20,8 @@ import transformers
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.model_loader import LoadedModel, load_model
-from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, materialize_gguf
+from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path
+from pagedserve.engine.worker.weights.gguf_files import dequantized_model_dir
 
 TINY_COMMON = dict(
     hidden_size=64,
@@ -57,7 +58,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
-    return materialize_gguf(embedded_gguf_path())
+    return dequantized_model_dir(embedded_gguf_path())
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,9 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.worker.model_loader import LoadedModel, _formats_multiplied_here, load_model
 from pagedserve.engine.worker.models.layers import Linear, QuantizedEmbedding
-from pagedserve.engine.worker.weights.gguf import BLOCKS_FILE, gguf_source, read_quantized_weights, stored_blocks
-from pagedserve.kernels.quantized import FORMATS, dequantize, quantize
+from pagedserve.engine.worker.weights.checkpoint import iter_safetensors
+from pagedserve.engine.worker.weights.gguf_files import INDEX_FILE, gguf_model_dir, gguf_source
+from pagedserve.kernels.quantized import FORMATS, QuantizedWeight, dequantize, quantize
 from tests.test_engine import run
 
 
@@ -23,21 +24,31 @@ def float_loaded(smol_dir: Path) -> LoadedModel:
     return load_model(EngineConfig(model=str(smol_dir), quantization="none"))
 
 
-def test_stored_blocks_are_the_dequantized_weights(float_loaded: LoadedModel, tmp_path: Path) -> None:
-    source = gguf_source(float_loaded.model_dir)
-    assert source is not None and source.suffix == ".gguf"
-    weights = read_quantized_weights(source, float_loaded.spec)
-    params = dict(float_loaded.model.named_parameters())
-    assert len(weights) == 4 * float_loaded.spec.num_layers + 1  # qkv, o, gate/up, down per layer; the head
-    for name, weight in weights.items():
-        expected = params["embed_tokens.weight" if name == "lm_head" else f"{name}.weight"]
-        assert torch.equal(dequantize(weight), expected.data), name  # fused and un-permuted as transformers does
-    saved = stored_blocks(tmp_path, source, float_loaded.spec)
-    assert (tmp_path / BLOCKS_FILE).exists()
-    again = stored_blocks(tmp_path, source, float_loaded.spec)  # from the saved copy now
-    for name, weight in saved.items():
-        assert again[name].qtype == weight.qtype and again[name].shape == weight.shape
-        assert torch.equal(again[name].blocks, weight.blocks)
+def test_stored_blocks_are_the_dequantized_weights(smol_loaded: LoadedModel, float_loaded: LoadedModel) -> None:
+    """Every projection read from the file as blocks holds, bit for bit, the weight transformers dequantizes
+    (fused, and un-permuted where llama.cpp permuted q and k), and the float path reads the same values."""
+    assert gguf_source(smol_loaded.model_dir) is not None
+    floats = dict(float_loaded.model.named_modules())
+    reference = dict(iter_safetensors(smol_loaded.model_dir))  # transformers' own dequantization
+    projections = {n: m for n, m in smol_loaded.model.named_modules() if isinstance(m, Linear)}
+    assert len(projections) == 4 * smol_loaded.spec.num_layers
+    for name, module in projections.items():
+        assert isinstance(module.quantized, QuantizedWeight), name
+        float_twin = floats[name]
+        assert isinstance(float_twin, Linear) and float_twin.quantized is None
+        assert torch.equal(dequantize(module.quantized), float_twin.weight.data), name
+    for part in ("q_proj", "k_proj", "v_proj"):
+        rows = reference[f"model.layers.3.self_attn.{part}.weight"]
+        start = {"q_proj": 0, "k_proj": 576, "v_proj": 768}[part]
+        assert torch.equal(floats["layers.3.self_attn.qkv_proj"].weight.data[start : start + len(rows)], rows), part
+    assert torch.equal(float_loaded.model.embed_tokens.weight.data, reference["model.embed_tokens.weight"])
+
+
+def test_the_model_folder_holds_no_weights(smol_loaded: LoadedModel) -> None:
+    """A GGUF file is served from the file: its folder is its config, tokenizer and tensor index (a few MB)."""
+    folder = gguf_model_dir(gguf_source(smol_loaded.model_dir))  # type: ignore[arg-type]
+    assert not list(folder.glob("*.safetensors")) and (folder / INDEX_FILE).exists()
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 8 * 2**20
 
 
 def test_the_embedded_model_multiplies_by_its_stored_blocks(smol_loaded: LoadedModel) -> None:

@@ -20,7 +20,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.model_loader import LoadedModel, load_model
 from pagedserve.engine.worker.models.layers import Linear
-from pagedserve.engine.worker.weights.gguf import PART_MODULES, gguf_source, read_quantized_weights
+from pagedserve.engine.worker.weights.gguf import PART_MODULES
 from pagedserve.kernels import quantized
 from pagedserve.kernels.quantized import (
     FORMATS,
@@ -30,6 +30,7 @@ from pagedserve.kernels.quantized import (
     quantize,
     quantized_linear,
 )
+from pagedserve.kernels.stacked_weight import RowStackedWeight
 from tests.test_kernels_quantized import assert_matches_reference, random_weight
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
@@ -161,9 +162,9 @@ TINY = dict(
     tie_word_embeddings=True,
 )
 # Each tensor's type, as llama.cpp's Q4_K_M mixes them: Q6_K for some v and down projections and the tied
-# embedding, Q4_K for the rest; plus a Q5_K pair and a Q5_0 tensor, which has no kernel.
+# embedding, Q4_K for the rest; plus a Q5_K pair and a Q5_0 tensor.
 TENSOR_TYPES = {
-    "blk.0.attn_v": "Q6_K",  # q and k are Q4_K: the fused qkv mixes types and stays float
+    "blk.0.attn_v": "Q6_K",  # q and k are Q4_K: the fused qkv mixes types, multiplied as three products
     "blk.0.ffn_down": "Q6_K",
     "blk.1.ffn_gate": "Q5_K",
     "blk.1.ffn_up": "Q5_K",
@@ -262,27 +263,28 @@ def stored_and_float(q4_k_m_file: Path) -> tuple[LoadedModel, LoadedModel]:
     return stored, load_model(EngineConfig(model=str(q4_k_m_file), quantization="none"))
 
 
-def test_the_file_is_read_in_its_stored_formats(
-    stored_and_float: tuple[LoadedModel, LoadedModel], caplog: pytest.LogCaptureFixture
-) -> None:
-    stored, dequantized = stored_and_float
-    source = gguf_source(dequantized.model_dir)
-    assert source is not None
+def test_the_file_is_read_in_its_stored_formats(q4_k_m_file: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="pagedserve.engine.worker.weights.gguf"):
-        weights = read_quantized_weights(source, dequantized.spec)
-    assert {name: weight.qtype for name, weight in weights.items()} == EXPECTED_QTYPES
-    [line] = [r.getMessage() for r in caplog.records if "stay dequantized" in r.getMessage()]
-    assert "Q4_K+Q6_K: layers.0.self_attn.qkv_proj" in line and "Q5_0: layers.1.self_attn.o_proj" in line
-    params = dict(dequantized.model.named_parameters())
-    for name, weight in weights.items():  # fused and un-permuted as transformers does, bit for bit
-        expected = params["embed_tokens.weight" if name == "lm_head" else f"{name}.weight"]
-        assert torch.equal(dequantize(weight), expected.data), name
-    modules = dict(stored.model.named_modules())
+        stored = load_model(EngineConfig(model=str(q4_k_m_file)))
+    dequantized = load_model(EngineConfig(model=str(q4_k_m_file), quantization="none"))
+    modules, float_modules = dict(stored.model.named_modules()), dict(dequantized.model.named_modules())
     for name, qtype in EXPECTED_QTYPES.items():
         block = stored.model.quantized_head if name == "lm_head" else modules[name].quantized
-        assert block is not None and block.qtype == qtype, name
-    float_modules = ("layers.0.self_attn.qkv_proj", "layers.1.self_attn.o_proj")
-    assert all(isinstance(modules[m], Linear) and modules[m].quantized is None for m in float_modules)
+        assert isinstance(block, QuantizedWeight) and block.qtype == qtype, name
+        twin = dequantized.model.embed_tokens if name == "lm_head" else float_modules[name]
+        assert torch.equal(dequantize(block), twin.weight.data), name  # fused and un-permuted, bit for bit
+    mixed = modules["layers.0.self_attn.qkv_proj"].quantized  # q and k in Q4_K, v in Q6_K: separate products
+    assert isinstance(mixed, RowStackedWeight) and [p.qtype for p in mixed.parts] == ["q4_k", "q4_k", "q6_k"]
+    rows = torch.cat([dequantize(part) for part in mixed.parts])
+    assert torch.equal(rows, float_modules["layers.0.self_attn.qkv_proj"].weight.data)
+    x = torch.randn(3, TINY["hidden_size"])
+    expected = x @ rows.T
+    torch.testing.assert_close(modules["layers.0.self_attn.qkv_proj"](x).contiguous(), expected, rtol=1e-4, atol=1e-4)
+    without_kernel = modules["layers.1.self_attn.o_proj"]  # Q5_0: dequantized alone, where no kernel reads it
+    assert without_kernel.quantized is not None or "q5_0" not in FORMATS
+    if "q5_0" not in FORMATS:
+        [line] = [r.getMessage() for r in caplog.records if "multiply in float" in r.getMessage()]
+        assert "Q5_0: layers.1.self_attn.o_proj" in line
 
 
 def test_greedy_tokens_equal_the_dequantized_models(stored_and_float: tuple[LoadedModel, LoadedModel]) -> None:

@@ -10,7 +10,8 @@ import torch
 import transformers
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.worker.weights.checkpoint import iter_safetensors, materialize_gguf, resolve_model_dir
+from pagedserve.engine.worker.weights.checkpoint import iter_safetensors, resolve_model_dir
+from pagedserve.engine.worker.weights.gguf_files import dequantized_model_dir
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path, tiny_model_dir) -> None:
@@ -44,7 +45,7 @@ def test_missing_local_path_is_a_clear_error() -> None:
 
 def test_gguf_conversion_is_cached(smol_dir: Path) -> None:
     source = Path((smol_dir / "pagedserve_source.json").read_text().split('"')[3])
-    assert materialize_gguf(source) == smol_dir  # second call: no conversion
+    assert dequantized_model_dir(source) == smol_dir  # second call: no conversion
     assert (smol_dir / "model.safetensors").exists() and (smol_dir / "tokenizer.json").exists()
     # A standard checkpoint: other tools (transformers' own server) need to know the model class.
     assert json.loads((smol_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

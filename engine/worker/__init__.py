@@ -10,13 +10,8 @@ from pagedserve.engine.worker.distributed.liveness import RankLostError
 from pagedserve.engine.worker.executor import ModelExecutor
 from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.model_runner import ModelRunner
-from pagedserve.engine.worker.weights.checkpoint import (
-    EMBEDDED_NAME,
-    embedded_gguf_path,
-    materialize_gguf,
-    resolve_model_dir,
-)
-from pagedserve.engine.worker.weights.gguf import save_blocks_once
+from pagedserve.engine.worker.weights.checkpoint import EMBEDDED_NAME, embedded_gguf_path, resolve_model_dir
+from pagedserve.engine.worker.weights.gguf_files import dequantized_model_dir, gguf_model_dir
 
 __all__ = [
     "EMBEDDED_NAME",
@@ -24,8 +19,8 @@ __all__ = [
     "ModelExecutor",
     "ModelRunner",
     "RankLostError",
+    "dequantized_model_dir",
     "embedded_gguf_path",
-    "materialize_gguf",
+    "gguf_model_dir",
     "resolve_model_dir",
-    "save_blocks_once",
 ]

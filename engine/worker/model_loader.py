@@ -8,6 +8,7 @@ import ctypes.util
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig
@@ -18,8 +19,11 @@ from pagedserve.engine.worker.distributed.group import TensorParallelGroup
 from pagedserve.engine.worker.kv_sizing import model_len_limit
 from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.models import LlamaForCausalLM, ModelSpec
+from pagedserve.engine.worker.models.layers import Linear
+from pagedserve.engine.worker.models.llama import rotary_embedding
 from pagedserve.engine.worker.weights.checkpoint import iter_safetensors, resolve_model_dir
-from pagedserve.engine.worker.weights.gguf import gguf_source, stored_blocks
+from pagedserve.engine.worker.weights.gguf import GGUFTensors, load_gguf_weights
+from pagedserve.engine.worker.weights.gguf_files import gguf_source, load_index
 from pagedserve.engine.worker.weights.on_load_quantization import quantized_on_load
 from pagedserve.kernels import KernelBackend, get_backend
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
@@ -57,34 +61,51 @@ GGUF_BLOCKS_BY_DEFAULT = ("cpu",)
 
 
 def _quantize_projections(
-    config: EngineConfig, model: LlamaForCausalLM, model_dir: Path, device: torch.device, dtype: torch.dtype
+    config: EngineConfig, model: LlamaForCausalLM, checkpoint: Path | None, device: torch.device, dtype: torch.dtype
 ) -> None:
-    """A GGUF checkpoint's quantized projections multiply as stored, or every projection is quantized to the
-    format `quantization` names, where the backend multiplies block formats on this device in this dtype. Split
-    over ranks, each rank keeps its shards of them."""
-    source = gguf_source(model_dir)
-    on_load = config.quantization in FORMATS
-    if config.quantization == "gguf" and source is None:
-        raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks, but {model_dir} was not made from one")
-    if config.quantization == "none" or (not on_load and (source is None or config.load_format != "auto")):
+    """Every projection quantized to the format `quantization` names, where the backend multiplies block formats
+    on this device in this dtype: from the float `checkpoint`'s tensors, or from the model's own (None). Split
+    over ranks, each rank keeps its shards."""
+    if config.quantization not in FORMATS:
         return
     formats = _formats_multiplied_here(config, model.backend, device, dtype)
     if not formats:
         return
-    if on_load:
-        checkpoint = model_dir if config.load_format == "auto" else None
-        weights = quantized_on_load(model, config.quantization, checkpoint)
-    else:
-        assert source is not None
-        split = None if model.group is None else (model.group.rank, model.group.size)
-        weights = stored_blocks(model_dir, source, model.spec, split)
+    weights = quantized_on_load(model, config.quantization, checkpoint)
     placed = _placed(model.backend, weights, formats, device)
     model.use_quantized(placed)
-    if not on_load and model.lm_head is None and isinstance(model.quantized_head, QuantizedWeight):
-        model.embed_from_quantized_head()  # the float embedding is these blocks dequantized: drop it
     release_freed_memory()  # the float copies just dropped
     stored = sum(weight.nbytes for weight in placed.values())
     logger.info("%d projections multiply in block formats on %s (%.0f MiB)", len(placed), device, stored / 2**20)
+
+
+def _gguf_model(
+    config: EngineConfig,
+    spec: ModelSpec,
+    hf_config: Any,
+    backend: KernelBackend,
+    group: TensorParallelGroup | None,
+    sources: tuple[Path, Path],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LlamaForCausalLM:
+    """The model with the GGUF file's tensors read straight into it (weights/gguf.py): built on the meta device,
+    so no float copy of it exists; blocks where the backend multiplies them here, float elsewhere.
+    `sources`: (the model directory, the GGUF file)."""
+    model_dir, gguf_file = sources
+    max_positions = model_len_limit(spec)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(spec, hf_config, backend, max_positions=max_positions, group=group)
+    with torch.device(device):
+        model.rotary = rotary_embedding(spec, hf_config, max_positions).to(dtype=dtype)
+    keeps_blocks = config.quantization in ("auto", "gguf")
+    formats = _formats_multiplied_here(config, backend, device, dtype) if keeps_blocks else frozenset()
+    split = None if group is None else (group.rank, group.size)
+    tensors = GGUFTensors(gguf_file, load_index(model_dir, gguf_file), spec, split)
+    load_gguf_weights(model, tensors, formats, lambda weight: backend.place_quantized(weight, device), device, dtype)
+    stored = sum(m.quantized.nbytes for m in model.modules() if isinstance(m, Linear) and m.quantized is not None)
+    logger.info("%s: %.0f MiB of projections in block formats on %s", gguf_file.name, stored / 2**20, device)
+    return model.eval()
 
 
 def _formats_multiplied_here(
@@ -153,13 +174,20 @@ def load_model(
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     backend = get_backend(config.attention_backend, device)
     backend.check_supported(dtype, spec.head_dim, config.block_size)
-    with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(spec, hf_config, backend, max_positions=model_len_limit(spec), group=group)
-    if config.load_format == "auto":
-        weights = iter_safetensors(model_dir, None if group is None else model.checkpoint_slice)
-        model.load_weights(weights if healthy is None else _checking(weights, healthy))
-    model.to(device=device, dtype=dtype).eval()
-    _quantize_projections(config, model, model_dir, device, dtype)
+    source = gguf_source(model_dir) if config.load_format == "auto" else None
+    if config.quantization == "gguf" and source is None:
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks, but {model_dir} was not made from one")
+    if source is not None:
+        model = _gguf_model(config, spec, hf_config, backend, group, (model_dir, source), device, dtype)
+        _quantize_projections(config, model, None, device, dtype)
+    else:
+        with torch.device(device), _default_dtype(dtype):
+            model = LlamaForCausalLM(spec, hf_config, backend, max_positions=model_len_limit(spec), group=group)
+        if config.load_format == "auto":
+            weights = iter_safetensors(model_dir, None if group is None else model.checkpoint_slice)
+            model.load_weights(weights if healthy is None else _checking(weights, healthy))
+        model.to(device=device, dtype=dtype).eval()
+        _quantize_projections(config, model, model_dir if config.load_format == "auto" else None, device, dtype)
     split = "" if group is None else f" (rank {group.rank} of {group.size})"
     logger.info("loaded %s (%s) on %s in %s%s", model_dir, spec.architecture, device, dtype, split)
     return LoadedModel(

@@ -63,9 +63,9 @@ def default_tokenizer(model: str) -> str:
     """The served model when it names a local folder, else the embedded SmolLM2 (pagedserve's default)."""
     if Path(model).exists():
         return model
-    from pagedserve.engine.worker import embedded_gguf_path, materialize_gguf  # torch: only when needed
+    from pagedserve.engine.worker import embedded_gguf_path, gguf_model_dir  # torch: only when needed
 
-    return str(materialize_gguf(embedded_gguf_path()))
+    return str(gguf_model_dir(embedded_gguf_path()))
 
 
 def load_tokenizer(name: str) -> Tokenizer:

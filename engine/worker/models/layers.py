@@ -13,8 +13,8 @@ from torch import nn
 
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
 from pagedserve.kernels import KernelBackend, RotaryAngles
-from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.quantized import QuantizedWeight, lookup_rows
+from pagedserve.kernels.stacked_weight import ProjectionWeight
 
 
 class Linear(nn.Linear):
@@ -23,7 +23,7 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, backend: KernelBackend) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.backend = backend
-        self.quantized: AnyQuantizedWeight | None = None  # as the backend's place_quantized returned it
+        self.quantized: ProjectionWeight | None = None  # as the backend's place_quantized returned it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
@@ -31,11 +31,11 @@ class Linear(nn.Linear):
         return self.backend.linear(x, self.weight, self.bias)
 
     @property
-    def stored_weight(self) -> torch.Tensor | AnyQuantizedWeight:
+    def stored_weight(self) -> torch.Tensor | ProjectionWeight:
         """The weight as this layer multiplies by it: its blocks, or the float tensor."""
         return self.quantized if self.quantized is not None else self.weight
 
-    def use_quantized(self, weight: AnyQuantizedWeight) -> None:
+    def use_quantized(self, weight: ProjectionWeight) -> None:
         """Multiplies by `weight` from now on and drops the float copy."""
         if weight.shape != tuple(self.weight.shape):
             raise ValueError(f"a {weight.shape} weight cannot replace a {tuple(self.weight.shape)} one")

@@ -7,7 +7,7 @@ the projections, norms and activations.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -29,6 +29,7 @@ from pagedserve.engine.worker.models.spec import ModelSpec
 from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.quantized import QuantizedWeight
+from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 CheckpointSlice = tuple[int, int, int]  # (dim, start, stop) of a checkpoint tensor that one rank reads
@@ -112,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.group = group
         self.rank_spec = spec.for_rank(1 if group is None else group.size)
         self.backend = backend
-        self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_parameters, hf_config)
+        self.rotary = rotary_embedding(spec, hf_config, max_positions)
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding | QuantizedEmbedding = (
             nn.Embedding(spec.vocab_size, spec.hidden_size)
             if group is None
@@ -165,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         assert not isinstance(self.embed_tokens, QuantizedEmbedding)  # a float tied head: the embedding is float
         return self.backend.logits(hidden, self.embed_tokens.weight)
 
-    def use_quantized(self, weights: dict[str, AnyQuantizedWeight]) -> None:
+    def use_quantized(self, weights: Mapping[str, ProjectionWeight]) -> None:
         """Projections ("layers.3.mlp.down_proj", "lm_head") that multiply by stored blocks from now on; their
         float copies are dropped (a tied head keeps the embedding, which lookups still read)."""
         modules = dict(self.named_modules())
@@ -174,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
                 if self.lm_head is not None:
                     self.lm_head.use_quantized(weight)
                 else:
+                    assert not isinstance(weight, RowStackedWeight), "a head is one tensor"
                     self.quantized_head = weight
                 continue
             module = modules.get(name)
@@ -218,6 +220,12 @@ class LlamaForCausalLM(nn.Module):
         if self.group is None:
             return None
         return rank_slice(hf_name, self.spec, self.group.rank, self.group.size)
+
+
+def rotary_embedding(spec: ModelSpec, hf_config: Any, max_positions: int) -> RotaryEmbedding:
+    """The model's cos/sin tables, on the default device: a model built on the meta device (weights/gguf.py)
+    gets real ones from here."""
+    return RotaryEmbedding(spec.head_dim, max_positions, spec.rope_parameters, hf_config)
 
 
 def rank_slice(hf_name: str, spec: ModelSpec, rank: int, size: int) -> CheckpointSlice | None:

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pagedserve.engine.worker.weights.gguf_files import gguf_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +34,13 @@ def embedded_gguf_path() -> Path:
 
 
 def resolve_model_dir(model: str | None, revision: str | None = None) -> Path:
-    """A local directory with config.json, tokenizer files and safetensors weights for `model`."""
+    """A local directory with config.json and tokenizer files for `model`, and its weights: safetensors files,
+    or the GGUF file it names (weights/gguf_files.py)."""
     if model is None:
-        return materialize_gguf(embedded_gguf_path())
+        return gguf_model_dir(embedded_gguf_path())
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return materialize_gguf(path)
+        return gguf_model_dir(path)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: not a transformers model directory")
@@ -63,64 +61,6 @@ def _download_from_hub(repo_id: str, revision: str | None) -> Path:
             f"Download it where the hub is reachable (`huggingface-cli download {repo_id}`) and copy the cache, "
             "or pass a local model directory or .gguf file."
         ) from exc
-
-
-def gguf_cache_root() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagedserve" / "gguf"
-    return Path(os.environ.get("PAGEDSERVE_CACHE_DIR", default))
-
-
-CONVERSION_FORMAT = 2  # bumped whenever converted directories change, so stale ones are not reused
-
-
-def materialize_gguf(gguf_file: Path) -> Path:
-    """Converts a GGUF file once into a transformers directory (dequantised safetensors + tokenizer).
-
-    transformers' GGUF reader takes tens of seconds per load (tokenizer conversion, dequantisation);
-    the converted directory loads in about a second, so later starts are fast.
-    """
-    stat = gguf_file.stat()
-    identity = f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_FORMAT}"
-    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    target = gguf_cache_root() / f"{gguf_file.stem}-{key}"
-    if (target / "config.json").exists():
-        return target
-    logger.info("converting %s into %s (once)", gguf_file, target)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
-    try:
-        kwargs = {"gguf_file": gguf_file.name}
-        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kwargs)
-        _save_dequantized(model, staging)
-        tokenizer.save_pretrained(staging)
-        (staging / "pagedserve_source.json").write_text(json.dumps({"gguf": str(gguf_file.resolve())}))
-        os.replace(staging, target)  # atomic: concurrent converters never see half a directory
-    except OSError:
-        if not (target / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-def _save_dequantized(model, folder: Path) -> None:
-    """transformers refuses save_pretrained on a GGUF-loaded model; its tensors are plain after loading."""
-    from safetensors.torch import save_file
-
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.architectures = [type(model).__name__]  # GGUF configs lack it; other tools (transformers serve) need it
-    config.save_pretrained(folder)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(folder)
-    state = model.state_dict()
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
 
 
 # (dim, start, stop) of the part of a tensor to read, or None for all of it

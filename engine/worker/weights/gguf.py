@@ -1,57 +1,50 @@
-"""A GGUF file's linear weights kept in their stored block formats (kernels/quantized.py), for the CPU.
+"""A GGUF file's tensors read straight into the model, as the kernels take them.
 
-The model itself loads from the dequantized directory made once from the file (weights/checkpoint.py): that
-gives every tensor, in float. Then the projections whose blocks the kernels read (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
-Q6_K) take their blocks from the GGUF file instead, fused as the model fuses them (q/k/v, gate/up: a block never
-spans rows, so fusing is stacking rows), and the float copies are dropped. Other types stay dequantized, and so
-does a fused projection whose parts differ in type (a Q4_K_M file stores some v and down projections in Q6_K,
-the rest in Q4_K: rows of two formats do not stack), with one log line naming them.
+The model is built on the meta device (no memory), then each parameter gets its tensor from the file:
+- a projection whose stored format the backend multiplies on this device keeps its blocks as stored (a memory
+  map of the file, copied once into the kernels' layout): q/k/v and gate/up fused by stacking rows (a block never
+  spans rows); parts of different formats (a Q4_K_M file's q and k in Q4_K, v in Q6_K) stay apart and multiply
+  as separate products (kernels/stacked_weight.py);
+- the token embedding keeps its blocks too where the CPU looks rows up in them (and a tied head multiplies by
+  the same blocks);
+- norms, biases and what the backend does not multiply in blocks (another device, quantization "none", a
+  tensor-parallel slice that splits blocks) are float: F32/F16/BF16 tensors as stored, block tensors
+  dequantized one at a time by gguf-py.
+No float copy of the model exists at any point: the peak is the blocks plus one tensor.
 
 llama.cpp's converter permutes the rows of Llama-architecture q and k weights (its RoPE pairs neighbouring
-features, transformers' pairs halves); transformers undoes that when it dequantizes, so the rows are put back
-in its order here too.
+features, transformers' pairs halves): the rows are put back in transformers' order as they are read.
 
-Split over tensor-parallel ranks, each rank reads only its shard of each tensor from the memory-mapped file
-(weights/block_shards.py), sliced as the float weights are (LlamaForCausalLM.checkpoint_slice). A row-parallel
-projection whose rank slice does not fall on its format's blocks stays dequantized, with one log line.
-
-Reading a GGUF file's metadata (its whole vocabulary) takes seconds in gguf-py, so the fused blocks are saved
-once beside the dequantized weights (BLOCKS_FILE; a rank's shard in a file of its own, blocks_file) and later
-starts read them in milliseconds.
+Split over tensor-parallel ranks, each rank reads only its shard of each tensor (weights/block_shards.py),
+sliced as LlamaForCausalLM.checkpoint_slice slices float checkpoints.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
-from safetensors import safe_open
-from safetensors.torch import save_file
-from transformers import AutoConfig
+from torch import nn
 
-from pagedserve.engine.worker.models import ModelSpec
-from pagedserve.engine.worker.models.layers import vocab_rows_per_rank
+from pagedserve.engine.worker.models import LlamaForCausalLM, ModelSpec
+from pagedserve.engine.worker.models.layers import QuantizedEmbedding, vocab_rows_per_rank
 from pagedserve.engine.worker.models.llama import rank_slice
 from pagedserve.engine.worker.weights.block_shards import CheckpointSlice, on_block_boundaries, read_shard
+from pagedserve.engine.worker.weights.gguf_files import StoredTensor, TensorIndex
+from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.quantized import FORMATS, QuantizedWeight
+from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 
 logger = logging.getLogger(__name__)
 
-SOURCE_FILE = "pagedserve_source.json"  # written by materialize_gguf beside the dequantized weights
-BLOCKS_FILE = "pagedserve_blocks/blocks.safetensors"  # the fused blocks, saved at the first load (a folder of
-# its own: the weights loader reads every *.safetensors file at the top)
-BLOCKS_FORMAT = "2"  # bump when what is saved changes (2: K-quants; a tied head from token_embd)
 PERMUTED_ARCHITECTURES = frozenset({"llama"})  # whose q/k rows llama.cpp's converter permutes
 TYPE_NAMES = {fmt.ggml_type: name for name, fmt in FORMATS.items()}
-Part = tuple[ReaderTensor, str]  # a GGUF tensor and its role ("attn_q", "ffn_down", "output")
+FLOAT_TYPES = {0: np.float32, 1: np.float16, 30: np.uint16}  # F32, F16, BF16 (read as its bits)
 Split = tuple[int, int]  # (rank, size): a tensor-parallel rank's shard; None for the whole model
+Place = Callable[[QuantizedWeight], AnyQuantizedWeight]  # blocks as the backend reads them on the device
 # Our fused projection -> the GGUF tensors stacked into it, in order.
 FUSED = {
     "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
@@ -59,7 +52,7 @@ FUSED = {
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
     "mlp.down_proj": ("ffn_down",),
 }
-PART_MODULES = {  # a GGUF role -> the transformers module it dequantizes into
+PART_MODULES = {  # a GGUF role -> the transformers module its checkpoint tensor belongs to
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -68,190 +61,217 @@ PART_MODULES = {  # a GGUF role -> the transformers module it dequantizes into
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+LAYER_FLOATS = {  # our parameter in layer N -> its GGUF tensor in block N
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
 
 
-def gguf_source(model_dir: Path) -> Path | None:
-    """The GGUF file a dequantized model directory was made from, if it was made from one."""
-    marker = model_dir / SOURCE_FILE
-    if not marker.exists():
-        return None
-    source = Path(json.loads(marker.read_text())["gguf"])
-    return source if source.exists() else None
+class GGUFTensors:
+    """Reads tensors of one GGUF file (by its index), whole or as a rank's shard, in our row order."""
 
+    def __init__(self, gguf_file: Path, index: TensorIndex, spec: ModelSpec, split: Split | None) -> None:
+        self.file, self.tensors, self.spec, self.split = gguf_file, index.tensors, spec, split
+        self.permuted = index.architecture in PERMUTED_ARCHITECTURES
 
-def blocks_file(split: Split | None) -> str:
-    """Where a model directory keeps the saved blocks of the whole model, or of one rank's shard."""
-    return BLOCKS_FILE if split is None else f"pagedserve_blocks/blocks-rank{split[0]}-of-{split[1]}.safetensors"
+    def get(self, name: str) -> StoredTensor:
+        if name not in self.tensors:
+            raise ValueError(f"{self.file.name} holds no tensor {name!r}: not a {self.spec.architecture} model")
+        return self.tensors[name]
 
+    def qtype(self, name: str) -> str | None:
+        """The block format a tensor is stored in, where it is one the kernels know."""
+        return TYPE_NAMES.get(self.get(name).ggml_type)
 
-def stored_blocks(
-    model_dir: Path, gguf_file: Path, spec: ModelSpec, split: Split | None = None
-) -> dict[str, QuantizedWeight]:
-    """read_quantized_weights, from the model directory's saved copy when there is one (saved if not)."""
-    saved = model_dir / blocks_file(split)
-    if saved.exists():
-        loaded = _load_saved(saved)
-        if loaded is not None:
-            _log(loaded[1])
-            return loaded[0]
-    weights, notes = _read(gguf_file, spec, split)
-    _log(notes)
-    _save(weights, notes, saved)
-    return weights
+    def blocks(self, name: str, role: str) -> QuantizedWeight:
+        """A block tensor (of a format the kernels know) as stored, in our row order: this rank's shard."""
+        tensor, qtype = self.get(name), self.qtype(name)
+        assert qtype is not None
+        out_features, in_features = tensor.shape
+        num_rows = vocab_rows_per_rank(self.spec.vocab_size, self.split[1]) if _vocab(role) and self.split else None
+        stored = self._bytes(tensor)
+        try:
+            return read_shard(
+                stored,
+                qtype,
+                (out_features, in_features),
+                self.slice(name, role),
+                self._order(role, out_features),
+                num_rows,
+            )
+        finally:
+            del stored  # unmapped: the process keeps only the copy
 
+    def float(self, name: str, role: str | None = None) -> torch.Tensor:
+        """A tensor in float32, dequantized if it is stored in blocks: this rank's shard (where `role` names a
+        sharded one), rows in our order."""
+        tensor = self.get(name)
+        values = torch.from_numpy(self._dequantized(tensor)).reshape(tensor.shape)
+        if role is None:
+            return values
+        order = self._order(role, tensor.shape[0])
+        if order is not None:
+            values = values[torch.from_numpy(order)]
+        part = self.slice(name, role)
+        if part is not None:
+            dim, start, stop = part
+            values = values.narrow(dim, start, stop - start)
+        if _vocab(role) and self.split is not None:
+            values = _pad_rows(values, vocab_rows_per_rank(self.spec.vocab_size, self.split[1]))
+        return values.contiguous()
 
-def save_blocks_once(model_dir: Path) -> None:
-    """Saves a converted GGUF's blocks now (an image build, `python -m pagedserve.engine`), so that a later start
-    from a read-only directory finds them."""
-    source = gguf_source(model_dir)
-    if source is not None and not (model_dir / BLOCKS_FILE).exists():
-        spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
-        stored_blocks(model_dir, source, spec)
-
-
-def _save(weights: dict[str, QuantizedWeight], notes: list[str], path: Path) -> None:
-    """Best effort: a read-only model directory (an image's, another user's) only costs the next start time.
-    `notes`, the log lines on what stays dequantized, are kept to be logged again at each start."""
-    tensors = {name: weight.blocks for name, weight in weights.items()}
-    layout = {name: [weight.qtype, *weight.shape] for name, weight in weights.items()}
-    metadata = {"format": BLOCKS_FORMAT, "layout": json.dumps(layout), "notes": json.dumps(notes)}
-    staging = None
-    try:
-        path.parent.mkdir(exist_ok=True)
-        descriptor, staging = tempfile.mkstemp(dir=path.parent, prefix=".blocks-")
-        os.close(descriptor)
-        save_file(tensors, staging, metadata=metadata)
-        os.replace(staging, path)  # atomic: a concurrent loader never reads half a file
-    except OSError as exc:
-        logger.warning("could not save the stored blocks to %s (%s); the next start reads the GGUF again", path, exc)
-    finally:
-        if staging is not None:
-            Path(staging).unlink(missing_ok=True)
-
-
-def _load_saved(path: Path) -> tuple[dict[str, QuantizedWeight], list[str]] | None:
-    with safe_open(path, framework="pt") as saved:
-        metadata = saved.metadata() or {}
-        if metadata.get("format") != BLOCKS_FORMAT:
+    def slice(self, name: str, role: str) -> CheckpointSlice | None:
+        """The rank's slice of a tensor: the one its float twin in a transformers checkpoint is read with."""
+        if self.split is None:
             return None
-        layout = json.loads(metadata["layout"])
-        weights = {
-            name: QuantizedWeight(qtype, saved.get_tensor(name), (out_features, in_features))
-            for name, (qtype, out_features, in_features) in layout.items()
-        }
-        return weights, json.loads(metadata.get("notes", "[]"))  # files saved before notes were kept have none
+        if _vocab(role):
+            return rank_slice("lm_head.weight", self.spec, *self.split)
+        layer, kind = name.split(".")[1], name.rsplit(".", 1)[1]  # "blk.3.attn_q.weight"
+        return rank_slice(f"model.layers.{layer}.{PART_MODULES[role]}.{kind}", self.spec, *self.split)
+
+    def _order(self, role: str, num_rows: int) -> np.ndarray | None:
+        heads = {"attn_q": self.spec.num_heads, "attn_k": self.spec.num_kv_heads}.get(role)
+        return _unpermuted_rows(num_rows, heads) if self.permuted and heads is not None else None
+
+    def _bytes(self, tensor: StoredTensor) -> np.ndarray:
+        return np.memmap(self.file, np.uint8, "r", offset=tensor.offset, shape=(tensor.nbytes,))
+
+    def _dequantized(self, tensor: StoredTensor) -> np.ndarray:
+        stored = self._bytes(tensor)
+        if tensor.ggml_type in FLOAT_TYPES:
+            values = stored.view(FLOAT_TYPES[tensor.ggml_type])
+            if tensor.ggml_type == 30:  # bfloat16: the high half of a float32
+                return (values.astype(np.uint32) << 16).view(np.float32)
+            return values.astype(np.float32)
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        rows = stored.reshape(tensor.shape[0], -1)
+        return dequantize(rows, GGMLQuantizationType(tensor.ggml_type)).astype(np.float32, copy=False)
 
 
-def read_quantized_weights(gguf_file: Path, spec: ModelSpec, split: Split | None = None) -> dict[str, QuantizedWeight]:
-    """Our module names ("layers.3.mlp.gate_up_proj", "lm_head") -> their weights as stored blocks: this rank's
-    shards of them where `split` names a rank."""
-    weights, notes = _read(gguf_file, spec, split)
-    _log(notes)
-    return weights
+def load_gguf_weights(
+    model: LlamaForCausalLM,
+    tensors: GGUFTensors,
+    formats: frozenset[str],
+    place: Place,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """Gives every parameter of `model` (built on the meta device) its tensor from the file: the projections in
+    `formats` as blocks (`place`d for the device), the rest float in `dtype` on `device`."""
+
+    def put(name: str, values: torch.Tensor) -> None:
+        _assign(model, name, values.to(device=device, dtype=dtype))
+
+    kept_float: dict[str, str] = {}
+    for module, parts in _projections(model.spec):
+        weight = _blocks_of(tensors, parts, formats)
+        if weight is None:
+            kept_float[module] = "+".join(dict.fromkeys(_type_name(tensors.get(n)) for n, _ in parts))
+            put(f"{module}.weight", torch.cat([tensors.float(n, role) for n, role in parts]))
+        else:
+            model.use_quantized({module: _placed(weight, place)})
+    _load_embedding_and_head(model, tensors, formats, place, put)
+    for name, values in _float_tensors(tensors, model.spec):
+        put(name, values)
+    if kept_float:
+        logger.info("%d projections multiply in float: %s", len(kept_float), _grouped(kept_float))
+    missing = [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if missing:
+        raise ValueError(f"the GGUF file left {len(missing)} tensors of the model unset, e.g. {missing[:3]}")
 
 
-def _read(gguf_file: Path, spec: ModelSpec, split: Split | None) -> tuple[dict[str, QuantizedWeight], list[str]]:
-    """(the weights, log lines naming the projections that stay dequantized and why)."""
-    reader = GGUFReader(gguf_file)  # a memory map: tensors are read only where sliced below
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    permuted = _architecture(reader) in PERMUTED_ARCHITECTURES
-    weights: dict[str, QuantizedWeight] = {}
-    kept_float: dict[str, str] = {}  # module -> its parts' types
-    off_blocks: dict[str, str] = {}  # module -> its type, where a rank's input columns split its blocks
-    for module, parts in _projections(tensors, spec):
-        types = [tensor.tensor_type for tensor, _ in parts]
-        if len(set(types)) != 1 or int(types[0]) not in TYPE_NAMES:
-            kept_float[module] = "+".join(dict.fromkeys(t.name for t in types))
-            continue
-        slices = [_part_slice(tensor, part, spec, split) for tensor, part in parts]
-        if not all(on_block_boundaries(s, TYPE_NAMES[int(types[0])]) for s in slices):
-            off_blocks[module] = types[0].name
-            continue
-        shards = [
-            _rows(tensor, part, spec, permuted, s, split) for (tensor, part), s in zip(parts, slices, strict=True)
-        ]
-        weights[module] = _stack(shards)
-    return weights, _kept_float_notes(kept_float) + _off_blocks_notes(off_blocks, spec, split)
-
-
-def _projections(tensors: dict[str, ReaderTensor], spec: ModelSpec) -> Iterator[tuple[str, list[Part]]]:
-    """Each of our projections with the GGUF tensors stacked into it, in order."""
-    for layer in range(spec.num_layers):
-        for module, parts in FUSED.items():
-            yield f"layers.{layer}.{module}", [(tensors[f"blk.{layer}.{part}.weight"], part) for part in parts]
-    # A tied model's head is its embedding (transformers loads token_embd into it), whatever else the file holds.
-    head = tensors.get("token_embd.weight") if spec.tie_word_embeddings else tensors.get("output.weight")
-    if head is not None:
-        yield "lm_head", [(head, "output")]
-
-
-def _part_slice(tensor: ReaderTensor, part: str, spec: ModelSpec, split: Split | None) -> CheckpointSlice | None:
-    """The rank's slice of a GGUF tensor: the one its float twin's checkpoint tensor is read with."""
-    if split is None:
+def _blocks_of(tensors: GGUFTensors, parts: list[tuple[str, str]], formats: frozenset[str]) -> ProjectionWeight | None:
+    """The parts' blocks stacked by rows (one weight where they share a format), or None where one part's
+    format is not multiplied here or a rank's slice of it splits blocks."""
+    qtypes = [tensors.qtype(name) for name, _ in parts]
+    if any(q not in formats for q in qtypes):
         return None
-    if part == "output":
-        return rank_slice("lm_head.weight", spec, *split)
-    layer = tensor.name.split(".")[1]  # "blk.3.attn_q.weight"
-    return rank_slice(f"model.layers.{layer}.{PART_MODULES[part]}.weight", spec, *split)
+    if not all(on_block_boundaries(tensors.slice(n, r), q) for (n, r), q in zip(parts, qtypes)):  # type: ignore[arg-type]
+        return None
+    shards = [tensors.blocks(name, role) for name, role in parts]
+    if len(set(qtypes)) > 1:
+        return RowStackedWeight(tuple(shards))
+    if len(shards) == 1:
+        return shards[0]
+    blocks = torch.cat([w.blocks for w in shards])
+    return QuantizedWeight(shards[0].qtype, blocks, (blocks.shape[0], shards[0].shape[1]))
 
 
-def _kept_float_notes(kept_float: dict[str, str]) -> list[str]:
-    if not kept_float:
-        return []
-    return [
-        f"{len(kept_float)} projections stay dequantized (block types without a kernel, or fused parts of "
-        f"different types): {_grouped(kept_float)}"
-    ]
+def _placed(weight: ProjectionWeight, place: Place) -> ProjectionWeight:
+    if isinstance(weight, RowStackedWeight):
+        return RowStackedWeight(tuple(place(part) for part in weight.parts))  # type: ignore[arg-type]
+    assert isinstance(weight, QuantizedWeight)
+    return place(weight)
 
 
-def _off_blocks_notes(off_blocks: dict[str, str], spec: ModelSpec, split: Split | None) -> list[str]:
-    if not off_blocks or split is None:
-        return []
-    rank, size = split
-    widths = f"attention {spec.num_heads * spec.head_dim // size}, MLP {spec.intermediate_size // size}"
-    return [
-        f"{len(off_blocks)} row-parallel projections stay dequantized on rank {rank} of {size}: a rank's input "
-        f"columns ({widths}) do not fall on their format's blocks (32 weights, 256 for K-quants): "
-        f"{_grouped(off_blocks)}"
-    ]
+def _load_embedding_and_head(
+    model: LlamaForCausalLM,
+    tensors: GGUFTensors,
+    formats: frozenset[str],
+    place: Place,
+    put: Callable[[str, torch.Tensor], None],
+) -> None:
+    """The embedding looks rows up in token_embd's blocks where the CPU can (else float); a tied head
+    multiplies by those blocks, an untied one by output's."""
+    table_type = tensors.qtype("token_embd.weight")
+    table = tensors.blocks("token_embd.weight", "token_embd") if table_type in formats else None
+    placed_table = None if table is None else place(table)
+    if isinstance(placed_table, QuantizedWeight):  # CPU blocks: lookups read them
+        model.embed_tokens = QuantizedEmbedding(placed_table, model.group)
+    else:
+        put("embed_tokens.weight", tensors.float("token_embd.weight", "token_embd"))
+    if model.lm_head is None:
+        model.quantized_head = placed_table
+        return
+    head = _blocks_of(tensors, [("output.weight", "output")], formats)
+    if head is None:
+        put("lm_head.weight", tensors.float("output.weight", "output"))
+    else:
+        model.use_quantized({"lm_head": _placed(head, place)})
 
 
-def _grouped(reasons: dict[str, str]) -> str:
-    """Modules by reason: 'Q4_K+Q6_K: layers.0.self_attn.qkv_proj, ...; Q5_0: ...'."""
-    by_reason: dict[str, list[str]] = {}
-    for module, reason in reasons.items():
-        by_reason.setdefault(reason, []).append(module)
-    return "; ".join(f"{reason}: {', '.join(modules)}" for reason, modules in by_reason.items())
+def _projections(spec: ModelSpec) -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    """Each of our projections with the GGUF tensors (name, role) stacked into it, in order."""
+    for layer in range(spec.num_layers):
+        for module, roles in FUSED.items():
+            yield f"layers.{layer}.{module}", [(f"blk.{layer}.{role}.weight", role) for role in roles]
 
 
-def _log(notes: list[str]) -> None:
-    for note in notes:
-        logger.info("%s", note)
+def _float_tensors(tensors: GGUFTensors, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our float parameters besides projections and the embedding: norms, q/k norms, the q/k/v bias."""
+    yield "norm.weight", tensors.float("output_norm.weight")
+    for layer in range(spec.num_layers):
+        for ours, theirs in LAYER_FLOATS.items():
+            if f"blk.{layer}.{theirs}" in tensors.tensors:
+                yield f"layers.{layer}.{ours}", tensors.float(f"blk.{layer}.{theirs}")
+        if spec.qkv_bias:
+            roles = FUSED["self_attn.qkv_proj"]
+            bias = [tensors.float(f"blk.{layer}.{role}.bias", role) for role in roles]
+            yield f"layers.{layer}.self_attn.qkv_proj.bias", torch.cat(bias)
 
 
-def _architecture(reader: GGUFReader) -> str:
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        return ""
-    return bytes(field.parts[field.data[0]]).decode()
+def _assign(model: nn.Module, name: str, values: torch.Tensor) -> None:
+    module_name, _, attribute = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    current = getattr(module, attribute)
+    if tuple(current.shape) != tuple(values.shape):
+        raise ValueError(f"{name}: the file's shape {tuple(values.shape)} != the model's {tuple(current.shape)}")
+    setattr(module, attribute, nn.Parameter(values, requires_grad=False))
 
 
-def _rows(
-    tensor: ReaderTensor,
-    part: str,
-    spec: ModelSpec,
-    permuted: bool,
-    part_slice: CheckpointSlice | None,
-    split: Split | None,
-) -> QuantizedWeight:
-    """The tensor's blocks (a type with a kernel) as a [out, in] weight in transformers' row order, or the
-    rank's shard `part_slice` of it (the head's padded to the rank's share of the vocabulary)."""
-    qtype = TYPE_NAMES[int(tensor.tensor_type)]
-    out_features, in_features = (int(n) for n in reversed(tensor.shape.tolist()))
-    heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads}.get(part)
-    order = _unpermuted_rows(out_features, heads) if permuted and heads is not None else None
-    num_rows = vocab_rows_per_rank(spec.vocab_size, split[1]) if part == "output" and split is not None else None
-    return read_shard(tensor.data, qtype, (out_features, in_features), part_slice, order, num_rows)
+def _vocab(role: str) -> bool:
+    return role in ("token_embd", "output")
+
+
+def _pad_rows(values: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The last rank's share of a padded vocabulary: zero rows past the file's."""
+    if len(values) >= num_rows:
+        return values
+    return torch.cat([values, values.new_zeros(num_rows - len(values), *values.shape[1:])])
 
 
 def _unpermuted_rows(num_rows: int, num_heads: int) -> np.ndarray:
@@ -261,11 +281,15 @@ def _unpermuted_rows(num_rows: int, num_heads: int) -> np.ndarray:
     return rows.swapaxes(2, 1).reshape(num_rows)
 
 
-def _stack(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """One weight of the parts' rows (of one type), in order."""
-    if len({w.shape[1] for w in weights}) != 1:
-        raise ValueError(f"fused parts of different input sizes: {[w.shape for w in weights]}")
-    if len(weights) == 1:
-        return weights[0]
-    blocks = torch.cat([w.blocks for w in weights])
-    return QuantizedWeight(weights[0].qtype, blocks, (blocks.shape[0], weights[0].shape[1]))
+def _type_name(tensor: StoredTensor) -> str:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(tensor.ggml_type).name
+
+
+def _grouped(reasons: dict[str, str]) -> str:
+    """Modules by reason: 'Q4_K+Q6_K: layers.0.self_attn.qkv_proj, ...; Q5_0: ...'."""
+    by_reason: dict[str, list[str]] = {}
+    for module, reason in reasons.items():
+        by_reason.setdefault(reason, []).append(module)
+    return "; ".join(f"{reason}: {', '.join(modules)}" for reason, modules in by_reason.items())

@@ -1,0 +1,173 @@
+"""A GGUF file's folder: what serving it needs besides its tensors, read from its metadata once.
+
+A GGUF file holds the config, the tokenizer and the chat template as metadata, and its tensors in place.
+Serving reads the tensors straight from the file (weights/gguf.py); what transformers derives from the metadata
+(a config, a fast tokenizer: seconds for a large vocabulary) and the file's tensor index (gguf-py parses every
+metadata field to list the tensors: seconds again) are kept in a small folder per file, so that later starts
+read a few JSON files instead:
+
+    config.json, generation_config.json, tokenizer files   as transformers reads a model directory
+    pagedserve_source.json                                 the GGUF file it was made from
+    pagedserve_tensors.json                                the file's tensor index (name, type, dims, offset)
+
+`dequantized_model_dir` writes a transformers directory of the file's weights in float32: transformers
+loads that as the oracle that tests and benchmarks compare with. Serving never makes one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE_FILE = "pagedserve_source.json"
+INDEX_FILE = "pagedserve_tensors.json"
+FOLDER_FORMAT = 3  # bumped whenever these folders change, so stale ones are not reused (2: float32 weights)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a GGUF file: its ggml type id, its dimensions innermost first (as GGUF lists them), and
+    where its bytes lie in the file."""
+
+    name: str
+    ggml_type: int
+    dims: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Outermost first, as torch orders them: (out, in) for a linear layer's weight."""
+        return tuple(reversed(self.dims))
+
+
+@dataclass(frozen=True)
+class TensorIndex:
+    architecture: str  # general.architecture: "llama", "qwen2", ...
+    tensors: dict[str, StoredTensor]
+
+
+def cache_root() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagedserve" / "gguf"
+    return Path(os.environ.get("PAGEDSERVE_CACHE_DIR", default))
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a model directory was made from, if it was made from one."""
+    marker = model_dir / SOURCE_FILE
+    if not marker.exists():
+        return None
+    source = Path(json.loads(marker.read_text())["gguf"])
+    return source if source.exists() else None
+
+
+def gguf_model_dir(gguf_file: Path) -> Path:
+    """The folder of `gguf_file`'s config, tokenizer and tensor index, made once (a few MB, no weights)."""
+    target = _cached_folder(gguf_file, "")
+    if not (target / INDEX_FILE).exists():
+        logger.info("reading %s's config, tokenizer and tensor index into %s (once)", gguf_file, target)
+        _make_atomically(target, lambda staging: _write_metadata(gguf_file, staging))
+    return target
+
+
+def dequantized_model_dir(gguf_file: Path) -> Path:
+    """A transformers directory of `gguf_file`'s weights in float32 (made once), beside its metadata: what
+    transformers loads to compare with. pagedserve, given this directory, still serves the GGUF's blocks."""
+    target = _cached_folder(gguf_file, "-float32")
+    if not (target / "model.safetensors").exists():
+        metadata = gguf_model_dir(gguf_file)
+        logger.info("dequantizing %s into %s (once)", gguf_file, target)
+
+        def write(staging: Path) -> None:
+            shutil.copytree(metadata, staging, dirs_exist_ok=True)
+            _write_float_weights(gguf_file, staging)
+
+        _make_atomically(target, write)
+    return target
+
+
+def load_index(model_dir: Path, gguf_file: Path) -> TensorIndex:
+    """The tensor index kept in `model_dir`, or read from the file where the folder has none."""
+    saved = model_dir / INDEX_FILE
+    if saved.exists():
+        data = json.loads(saved.read_text())
+        if data.get("file_size") == gguf_file.stat().st_size:
+            tensors = {t[0]: StoredTensor(t[0], t[1], tuple(t[2]), t[3], t[4]) for t in data["tensors"]}
+            return TensorIndex(data["architecture"], tensors)
+    return read_index(gguf_file)
+
+
+def read_index(gguf_file: Path) -> TensorIndex:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_file)  # a memory map: no tensor's bytes are read here
+    field = reader.fields.get("general.architecture")
+    architecture = "" if field is None else bytes(field.parts[field.data[0]]).decode()
+    tensors = {
+        t.name: StoredTensor(
+            t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset), int(t.n_bytes)
+        )
+        for t in reader.tensors
+    }
+    return TensorIndex(architecture, tensors)
+
+
+def _cached_folder(gguf_file: Path, suffix: str) -> Path:
+    stat = gguf_file.stat()
+    identity = f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{FOLDER_FORMAT}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return cache_root() / f"{gguf_file.stem}-{key}{suffix}"
+
+
+def _make_atomically(target: Path, write) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    try:
+        write(staging)
+        os.replace(staging, target)  # atomic: concurrent makers never see half a folder
+    except OSError:
+        if not target.exists():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_metadata(gguf_file: Path, folder: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if architecture is not None:  # GGUF configs lack it; other tools (transformers serve) need it
+        config.architectures = [architecture]
+    config.save_pretrained(folder)
+    GenerationConfig.from_model_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(folder)
+    index = read_index(gguf_file)
+    tensors = [[t.name, t.ggml_type, list(t.dims), t.offset, t.nbytes] for t in index.tensors.values()]
+    document = {"architecture": index.architecture, "file_size": gguf_file.stat().st_size, "tensors": tensors}
+    (folder / INDEX_FILE).write_text(json.dumps(document))
+    (folder / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf_file.resolve())}))
+
+
+def _write_float_weights(gguf_file: Path, folder: Path) -> None:
+    """transformers dequantizes the file (its own loader) and the tensors are saved as they came out."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
