@@ -24,6 +24,7 @@ from pagedserve.engine.worker.models import LlamaForCausalLM
 from pagedserve.engine.worker.models.layers import Linear, QuantizedEmbedding, RowParallelLinear
 from pagedserve.engine.worker.weights.block_shards import read_shard
 from pagedserve.kernels.quantized import dequantize, quantize
+from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 from tests.test_kquants import write_tiny_gguf
 from tests.test_tensor_parallel import (
     GREEDY,
@@ -81,13 +82,20 @@ def block_bytes(model: LlamaForCausalLM) -> int:
 def effective_weights(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """Every projection's weight as it multiplies: its blocks dequantized, or its float weight."""
     weights = {
-        name: dequantize(m.quantized) if m.quantized is not None else m.weight.data
+        name: dequantized(m.quantized) if m.quantized is not None else m.weight.data
         for name, m in model.named_modules()
         if isinstance(m, Linear)
     }
     if model.quantized_head is not None:
         weights["lm_head"] = dequantize(model.quantized_head)
     return weights
+
+
+def dequantized(weight: ProjectionWeight) -> torch.Tensor:
+    """A weight in blocks as float32, parts of different formats stacked by rows."""
+    if isinstance(weight, RowStackedWeight):
+        return torch.cat([dequantize(part) for part in weight.parts])
+    return dequantize(weight)
 
 
 def in_blocks(model: LlamaForCausalLM) -> set[str]:

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 PERMUTED_ARCHITECTURES = frozenset({"llama"})  # whose q/k rows llama.cpp's converter permutes
 TYPE_NAMES = {fmt.ggml_type: name for name, fmt in FORMATS.items()}
 FLOAT_TYPES = {0: np.float32, 1: np.float16, 30: np.uint16}  # F32, F16, BF16 (read as its bits)
+NOT_HERE, OFF_BLOCKS = "not multiplied here", "off blocks"  # why a projection stays float
 Split = tuple[int, int]  # (rank, size): a tensor-parallel rank's shard; None for the whole model
 Place = Callable[[QuantizedWeight], AnyQuantizedWeight]  # blocks as the backend reads them on the device
 # Our fused projection -> the GGUF tensors stacked into it, in order.
@@ -166,11 +167,13 @@ def load_gguf_weights(
     def put(name: str, values: torch.Tensor) -> None:
         _assign(model, name, values.to(device=device, dtype=dtype))
 
-    kept_float: dict[str, str] = {}
+    kept_float: dict[str, str] = {}  # module -> its parts' types, where the backend multiplies none of them here
+    off_blocks: dict[str, str] = {}  # module -> its type, where a rank's input columns split its blocks
     for module, parts in _projections(model.spec):
         weight = _blocks_of(tensors, parts, formats)
-        if weight is None:
-            kept_float[module] = "+".join(dict.fromkeys(_type_name(tensors.get(n)) for n, _ in parts))
+        if isinstance(weight, str):
+            type_names = "+".join(dict.fromkeys(_type_name(tensors.get(n)) for n, _ in parts))
+            (off_blocks if weight == OFF_BLOCKS else kept_float)[module] = type_names
             put(f"{module}.weight", torch.cat([tensors.float(n, role) for n, role in parts]))
         else:
             model.use_quantized({module: _placed(weight, place)})
@@ -179,19 +182,32 @@ def load_gguf_weights(
         put(name, values)
     if kept_float:
         logger.info("%d projections multiply in float: %s", len(kept_float), _grouped(kept_float))
+    if off_blocks and tensors.split is not None:
+        rank, size = tensors.split
+        spec = model.spec
+        logger.info(
+            "%d row-parallel projections multiply in float on rank %d of %d: a rank's input columns (attention %d, "
+            "MLP %d) do not fall on their format's blocks (32 weights, 256 for K-quants): %s",
+            len(off_blocks),
+            rank,
+            size,
+            spec.num_heads * spec.head_dim // size,
+            spec.intermediate_size // size,
+            _grouped(off_blocks),
+        )
     missing = [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     if missing:
         raise ValueError(f"the GGUF file left {len(missing)} tensors of the model unset, e.g. {missing[:3]}")
 
 
-def _blocks_of(tensors: GGUFTensors, parts: list[tuple[str, str]], formats: frozenset[str]) -> ProjectionWeight | None:
-    """The parts' blocks stacked by rows (one weight where they share a format), or None where one part's
-    format is not multiplied here or a rank's slice of it splits blocks."""
+def _blocks_of(tensors: GGUFTensors, parts: list[tuple[str, str]], formats: frozenset[str]) -> ProjectionWeight | str:
+    """The parts' blocks stacked by rows (one weight where they share a format), or why they stay float:
+    NOT_HERE where a part's format is not multiplied here, OFF_BLOCKS where a rank's slice of it splits blocks."""
     qtypes = [tensors.qtype(name) for name, _ in parts]
-    if any(q not in formats for q in qtypes):
-        return None
+    if any(q is None or q not in formats for q in qtypes):
+        return NOT_HERE
     if not all(on_block_boundaries(tensors.slice(n, r), q) for (n, r), q in zip(parts, qtypes)):  # type: ignore[arg-type]
-        return None
+        return OFF_BLOCKS
     shards = [tensors.blocks(name, role) for name, role in parts]
     if len(set(qtypes)) > 1:
         return RowStackedWeight(tuple(shards))
@@ -228,7 +244,7 @@ def _load_embedding_and_head(
         model.quantized_head = placed_table
         return
     head = _blocks_of(tensors, [("output.weight", "output")], formats)
-    if head is None:
+    if isinstance(head, str):
         put("lm_head.weight", tensors.float("output.weight", "output"))
     else:
         model.use_quantized({"lm_head": _placed(head, place)})
