@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,21 @@ def load_index(model_dir: Path, gguf_file: Path) -> TensorIndex:
 
 
 def read_index(gguf_file: Path) -> TensorIndex:
+    """The file's tensor table, read without touching a tensor: transformers' header reader takes milliseconds
+    where gguf-py's (the fallback, for older transformers) parses every metadata field first."""
+    try:
+        from transformers.integrations.gguf.reader import GgufHeader
+    except ImportError:
+        return _read_index_with_gguf_py(gguf_file)
+    header = GgufHeader.from_file(str(gguf_file))
+    tensors = {
+        t.name: StoredTensor(t.name, t.ggml_type, tuple(reversed(t.shape)), header.data_start + t.offset, t.nbytes)
+        for t in header.tensors
+    }
+    return TensorIndex(header.architecture, tensors)
+
+
+def _read_index_with_gguf_py(gguf_file: Path) -> TensorIndex:
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_file)  # a memory map: no tensor's bytes are read here
@@ -141,10 +157,10 @@ def _make_atomically(target: Path, write) -> None:
 
 
 def _write_metadata(gguf_file: Path, folder: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    config = _config(gguf_file)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
@@ -152,12 +168,36 @@ def _write_metadata(gguf_file: Path, folder: Path) -> None:
         config.architectures = [architecture]
     config.save_pretrained(folder)
     GenerationConfig.from_model_config(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(folder)
+    _tokenizer(gguf_file).save_pretrained(folder)
     index = read_index(gguf_file)
     tensors = [[t.name, t.ggml_type, list(t.dims), t.offset, t.nbytes] for t in index.tensors.values()]
     document = {"architecture": index.architecture, "file_size": gguf_file.stat().st_size, "tensors": tensors}
     (folder / INDEX_FILE).write_text(json.dumps(document))
     (folder / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf_file.resolve())}))
+
+
+def _config(gguf_file: Path) -> Any:
+    """transformers' config of the file, from one parse of its metadata (what AutoConfig does with gguf_file)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    values = load_gguf_checkpoint(str(gguf_file), return_tensors=False)["config"]
+    return CONFIG_MAPPING[values["model_type"]].from_dict(values)
+
+
+def _tokenizer(gguf_file: Path) -> Any:
+    """transformers' fast tokenizer of the file. Built from its converter directly: AutoTokenizer would parse the
+    whole file once more for a config (seconds, tens of seconds for a large vocabulary) only to pick a class."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+        from transformers.tokenization_utils_fast import PreTrainedTokenizerFast
+    except ImportError:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    architecture, tokenizer, tokenizer_config = get_gguf_tokenizer(str(gguf_file))
+    converted, extra = convert_gguf_tokenizer(architecture, tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=converted, **tokenizer_config, **extra)
 
 
 def _write_float_weights(gguf_file: Path, folder: Path) -> None:
