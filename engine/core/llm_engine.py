@@ -92,7 +92,8 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._children = RequestGroups()  # caller's id -> ids of its n sequences
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
+            "KV cache: %.0f MiB (--kv-cache-memory), %d blocks of %d tokens = %d tokens; max_model_len %d",
+            plan.num_bytes / 2**20,
             plan.num_blocks,
             plan.block_size,
             plan.num_tokens,

@@ -103,6 +103,7 @@ def _gguf_model(
     split = None if group is None else (group.rank, group.size)
     tensors = GGUFTensors(gguf_file, load_index(model_dir, gguf_file), spec, split)
     load_gguf_weights(model, tensors, formats, lambda weight: backend.place_quantized(weight, device), device, dtype)
+    release_freed_memory()  # the parts of fused projections, copied once more when they were stacked
     stored = sum(m.quantized.nbytes for m in model.modules() if isinstance(m, Linear) and m.quantized is not None)
     logger.info("%s: %.0f MiB of projections in block formats on %s", gguf_file.name, stored / 2**20, device)
     return model.eval()
