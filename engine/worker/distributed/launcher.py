@@ -8,7 +8,6 @@ import os
 import pickle
 import signal
 import subprocess
-import sys
 import weakref
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
+from pagedserve.engine.child_python import module_command
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.distributed.commands import Command, send_command
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
@@ -126,7 +126,7 @@ def _config_for_ranks(config: EngineConfig, model_dir: Path) -> EngineConfig:
 def _spawn(rendezvous: Rendezvous, rank: int) -> subprocess.Popen:
     # `python -m`, like the core process: nothing re-imports the caller's main module.
     return subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.engine.worker.distributed.rank"],
+        module_command("pagedserve.engine.worker.distributed.rank"),
         env={**os.environ, **rendezvous.env_for(rank)},
         stdin=subprocess.DEVNULL,
     )
