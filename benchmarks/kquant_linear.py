@@ -5,16 +5,21 @@ of torch's float32 linear, interleaved (A B C D A B C D ...) so that a shared ma
 them, each cycling through enough copies of its weight that every call reads it from memory, as in a decode
 step (helpers from benchmarks/quantized_linear.py). Medians of SAMPLES calls per path.
 
+With --bandwidth, instead: one token on every block format, interleaved, on TinyLlama's gate_up and down
+projections, as GB/s of weights read (the bytes of the blocks over the median time): how close each format's
+single-token kernel comes to the machine's memory bandwidth.
+
 SmolLM2-135M's projections (as the engine fuses them) come first. Their 576-wide inputs are not whole 256-weight
 super-blocks, so K-quants cannot store them (llama.cpp's Q4_K_M files fall back to other types for such
 tensors): those rows have Q4_1 and float32 only. TinyLlama-1.1B's projections (2048 and 5632 wide) follow, for a
 comparison on every path.
 
-    python -m benchmarks.kquant_linear
+    python -m benchmarks.kquant_linear [--bandwidth]
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 from collections.abc import Callable
@@ -76,18 +81,52 @@ def print_table(results: dict[tuple[str, str, int, int], list[tuple[int, dict[st
             print(f"| {model} | {name} | {out_features} x {in_features} | {tokens} | {cells} |")
 
 
+# --bandwidth: every format, fewest bits last; TinyLlama's widest projections.
+BANDWIDTH_QTYPES = ("q8_0", "q6_k", "q5_1", "q5_0", "q5_k", "q4_1", "q4_0", "q4_k", "q3_k", "q2_k")
+BANDWIDTH_SHAPES = ((11264, 2048), (2048, 5632))
+
+
+def one_token_bandwidth(out_features: int, in_features: int) -> dict[str, tuple[float, float]]:
+    """(microseconds, GB/s of blocks read) of one token by each of BANDWIDTH_QTYPES, interleaved."""
+    dense = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)) * 0.05
+    x = torch.randn(1, in_features)
+    weights = {qtype: quantized_copies(quantize(dense, qtype)) for qtype in BANDWIDTH_QTYPES}
+    calls: list[Call] = [lambda i, w=w: quantized_linear(x, w[i % len(w)]) for w in weights.values()]
+    medians = interleaved_medians_us(calls, SAMPLES)
+    return {q: (us, w[0].nbytes / us / 1e3) for (q, w), us in zip(weights.items(), medians)}
+
+
+def print_bandwidth_table(results: dict[tuple[int, int], dict[str, tuple[float, float]]]) -> None:
+    shapes = list(results)
+    print("| format | bits a weight | " + " | ".join(f"{o} x {i}: µs, GB/s" for o, i in shapes) + " |")
+    print("|---|---:|" + "---:|" * len(shapes))
+    for qtype in BANDWIDTH_QTYPES:
+        fmt = FORMATS[qtype]
+        cells = " | ".join(f"{results[s][qtype][0]:,.0f}, {results[s][qtype][1]:.1f}" for s in shapes)
+        print(f"| {qtype.upper()} | {8 * fmt.block_bytes / fmt.block_weights:.2f} | {cells} |")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bandwidth", action="store_true", help="one token on every format, as GB/s")
+    bandwidth = parser.parse_args().bandwidth
     if quantized_linear_kernel() is None:
         raise SystemExit("the native kernels could not be built (no C compiler?)")
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg()[0]
-    results = {(model, name, o, i): projection_rows(o, i) for model, name, o, i in PROJECTIONS}
+    if bandwidth:
+        results = {shape: one_token_bandwidth(*shape) for shape in BANDWIDTH_SHAPES}
+    else:
+        table = {(model, name, o, i): projection_rows(o, i) for model, name, o, i in PROJECTIONS}
     print(f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; torch {torch.__version__}")
     print(
         f"{started:%Y-%m-%d %H:%M} UTC; 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
     print(f"medians of {SAMPLES} interleaved calls per path; weights from memory, not cache\n")
-    print_table(results)
+    if bandwidth:
+        print_bandwidth_table(results)
+    else:
+        print_table(table)
 
 
 if __name__ == "__main__":
