@@ -9,8 +9,10 @@
  * nibble j + 16 the high half. d * q is exact in float32 (an 11-bit by 6-bit product), so the weights are bit
  * for bit gguf-py's, fused with the add of m or not.
  *
- * A fifth bit costs one variable shift, a mask and an or per eight weights: every weight's bit is shifted to
- * bit 4 of its int32 lane from a broadcast of qh.
+ * A fifth bit costs a table lookup and an or per eight weights: FIFTH_BITS[b] spreads the eight bits of a qh
+ * byte to bit 4 of eight bytes, which join the eight nibbles in one 64-bit integer before they widen to
+ * vector lanes. Measured with AVX2 (one thread, weights in L2, AVX-512 host): 3.05 ns a Q5_0 block, against
+ * 3.6 shifting a broadcast of qh into each lane (three vector operations per eight weights) and 2.6 for Q4_0.
  */
 #include <stdint.h>
 #include <string.h>
@@ -32,28 +34,44 @@ enum { Q5_0_BYTES = 22, Q5_1_BYTES = 24 };
 static const int64_t BLOCK_BYTES[FORMATS] = {Q5_0_BYTES, Q5_1_BYTES};
 
 typedef uint8_t bytes8 __attribute__((vector_size(8), aligned(1), may_alias));
-typedef uint16_t halfwords4 __attribute__((vector_size(8)));
 typedef int32_t ints __attribute__((vector_size(LANES * sizeof(int32_t))));
-typedef uint32_t uints __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+/* FIFTH_BITS[v]: bit i of the byte v at bit 4 of byte i, for every v (2 KiB, in L1 while it is used).
+ * FIFTH_BITS_NOT[v]: 0xF0 in the bytes of clear bits instead, so that nibble | it is Q5_0's q - 16 as a signed
+ * byte (AVX2 widens signed bytes as they load). */
+#define FIFTH_OF(v)                                                                                               \
+    ((((v)&1ull) << 4) | (((v)&2ull) << 11) | (((v)&4ull) << 18) | (((v)&8ull) << 25) | (((v)&16ull) << 32) |     \
+     (((v)&32ull) << 39) | (((v)&64ull) << 46) | (((v)&128ull) << 53))
+#define FIFTH(v) FIFTH_OF(v)
+#define FIFTH4(v) FIFTH(v), FIFTH((v) + 1), FIFTH((v) + 2), FIFTH((v) + 3)
+#define FIFTH16(v) FIFTH4(v), FIFTH4((v) + 4), FIFTH4((v) + 8), FIFTH4((v) + 12)
+#define FIFTH64(v) FIFTH16(v), FIFTH16((v) + 16), FIFTH16((v) + 32), FIFTH16((v) + 48)
+static const uint64_t FIFTH_BITS[256] = {FIFTH64(0), FIFTH64(64), FIFTH64(128), FIFTH64(192)};
+#undef FIFTH
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FIFTH(v) (FIFTH_OF(255 - (v)) * 15ull) /* 0x10 * 15 = 0xF0 in the bytes of clear bits */
+static const uint64_t FIFTH_BITS_NOT[256] = {FIFTH64(0), FIFTH64(64), FIFTH64(128), FIFTH64(192)};
+#undef FIFTH
+#endif
+#undef FIFTH64
+#undef FIFTH16
+#undef FIFTH4
+#undef FIFTH_OF
+static const uint64_t LOW_NIBBLES = 0x0F0F0F0F0F0F0F0Full;
 
 /* Where a block keeps qh (its nibbles follow). */
 static inline int64_t qh_offset(const enum format format) { return format == Q5_1 ? 4 : 2; }
 
-static inline uint32_t fifth_bits(const uint8_t *block, const enum format format) {
-    uint32_t qh;
-    memcpy(&qh, block + qh_offset(format), sizeof qh);
-    return qh;
+/* Weights 8i..8i+7's q (five bits each) as eight bytes of a 64-bit integer, in weight order: their nibbles
+ * (low halves of qs[8i..8i+7] for i < 2, high halves of qs[8(i-2)..] after) and byte i of qh spread. */
+static inline __attribute__((always_inline)) uint64_t q_bytes(const uint8_t *block, const enum format format,
+                                                              const int i, const uint64_t *fifth_bits) {
+    uint64_t qs;
+    memcpy(&qs, block + qh_offset(format) + 4 + 8 * (i % 2), sizeof qs);
+    return ((i < 2 ? qs : qs >> 4) & LOW_NIBBLES) | fifth_bits[block[qh_offset(format) + i]];
 }
 
-/* The high nibbles of eight bytes, shifted as 16-bit lanes: x86 has no shift of byte lanes. */
-static inline bytes8 high_nibbles(bytes8 b) { return (bytes8)((halfwords4)b >> 4) & 0x0F; }
-
-/* Weights 8i..8i+7's q as floats, less `offset`: their nibbles and bits 8i..8i+7 of qh at bit 4. */
-static inline vec q_floats(bytes8 nibbles, uint32_t qh, int i, int32_t offset) {
-    const uints shifts = {8 * i, 8 * i + 1, 8 * i + 2, 8 * i + 3, 8 * i + 4, 8 * i + 5, 8 * i + 6, 8 * i + 7};
-    const ints fifth = (ints)(((uints){qh, qh, qh, qh, qh, qh, qh, qh} >> shifts) & 1) << 4;
-    return __builtin_convertvector((__builtin_convertvector(nibbles, ints) | fifth) - offset, vec);
-}
+typedef uint64_t u64_vector __attribute__((vector_size(8)));
 
 /* A block's 32 weights as d * q + m (m: Q5_1 only), the q as four vectors of eight. */
 typedef struct {
@@ -65,13 +83,10 @@ static inline __attribute__((always_inline)) unpacked_block unpack_block(const u
                                                                          const enum format format) {
     unpacked_block out = {.d = half_to_float(block), .m = format == Q5_1 ? half_to_float(block + 2) : 0.0f};
     const int32_t offset = format == Q5_0 ? 16 : 0;
-    const uint32_t qh = fifth_bits(block, format);
-    const uint8_t *qs = block + qh_offset(format) + 4;
-    const bytes8 low = *(const bytes8 *)qs, high = *(const bytes8 *)(qs + 8);
-    out.q[0] = q_floats(low & 0x0F, qh, 0, offset);
-    out.q[1] = q_floats(high & 0x0F, qh, 1, offset);
-    out.q[2] = q_floats(high_nibbles(low), qh, 2, offset);
-    out.q[3] = q_floats(high_nibbles(high), qh, 3, offset);
+    for (int i = 0; i < 4; ++i) {
+        const bytes8 q = (bytes8)(u64_vector){q_bytes(block, format, i, FIFTH_BITS)};
+        out.q[i] = __builtin_convertvector(__builtin_convertvector(q, ints) - offset, vec);
+    }
     return out;
 }
 
@@ -90,33 +105,21 @@ static inline void store_group(float *out, const vec w[4]) {
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /*
- * row_single in AVX2 intrinsics, as quantized_linear.c's for Q4_0 and Q4_1 (why: see there): the nibbles widen
- * to int32 as they load, and each lane's fifth bit comes from a broadcast of qh by one variable shift.
+ * row_single in AVX2 intrinsics, as quantized_linear.c's for Q4_0 and Q4_1 (why: see there): 1.5x the vector
+ * extensions' speed here (3.05 against 4.66 ns a Q5_0 block, measured as above). Each eight q widen from one
+ * 64-bit integer to int32 lanes in one instruction, signed for Q5_0.
  */
 
-/* q . x_b for one block, as eight partial sums: q the block's integers (Q5_0's less 16). */
+/* q . x_b for one block, as eight partial sums: q the block's integers (Q5_0's less 16: its clear fifth bits
+ * set bits 4-7 of the byte instead, making it nibble - 16 as a signed byte). */
 static inline __attribute__((always_inline)) __m256 block_dot(const uint8_t *block, const float *xb,
                                                               const enum format format) {
-    const uint8_t *qs = block + qh_offset(format) + 4;
-    const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
-    const __m256i high = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
-    const __m256i nibble = _mm256_set1_epi32(0x0F), bit = _mm256_set1_epi32(0x10);
-    const __m256i qh = _mm256_set1_epi32((int32_t)fifth_bits(block, format));
-    /* Bit 8i + lane of qh to bit 4: shifted right by 8i + lane - 4 (left by 4 - lane for i = 0, lanes 0-3). */
-    const __m256i first = _mm256_sllv_epi32(qh, _mm256_setr_epi32(4, 3, 2, 1, 0, 0, 0, 0));
-    const __m256i lane = _mm256_setr_epi32(0, 0, 0, 0, 0, 1, 2, 3);
     __m256i q[4];
-    q[0] = _mm256_and_si256(low, nibble);
-    q[1] = _mm256_and_si256(high, nibble);
-    q[2] = _mm256_srli_epi32(low, 4);
-    q[3] = _mm256_srli_epi32(high, 4);
-    q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_srlv_epi32(first, lane), bit));
-    for (int i = 1; i < 4; ++i) {
-        const __m256i shifts = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * i - 4));
-        q[i] = _mm256_or_si256(q[i], _mm256_and_si256(_mm256_srlv_epi32(qh, shifts), bit));
+    for (int i = 0; i < 4; ++i) {
+        const uint64_t *fifth_bits = format == Q5_0 ? FIFTH_BITS_NOT : FIFTH_BITS;
+        const __m128i bytes = _mm_cvtsi64_si128((int64_t)q_bytes(block, format, i, fifth_bits));
+        q[i] = format == Q5_0 ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
     }
-    if (format == Q5_0)
-        for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(16));
     return dot_ints_avx2(q, xb);
 }
 
