@@ -7,7 +7,9 @@ step (helpers from benchmarks/quantized_linear.py). Medians of SAMPLES calls per
 
 With --bandwidth, instead: one token on every block format, interleaved, on TinyLlama's gate_up and down
 projections, as GB/s of weights read (the bytes of the blocks over the median time): how close each format's
-single-token kernel comes to the machine's memory bandwidth.
+single-token kernel comes to the machine's memory bandwidth. Then each format's arithmetic alone: one thread
+on a weight that stays in cache, as the CPU time of the calling thread per 32 weights, which other processes
+on a shared machine barely move.
 
 SmolLM2-135M's projections (as the engine fuses them) come first. Their 576-wide inputs are not whole 256-weight
 super-blocks, so K-quants cannot store them (llama.cpp's Q4_K_M files fall back to other types for such
@@ -22,6 +24,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
+import time
 from collections.abc import Callable
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as benchmarks/quantized_linear.py: before torch loads
@@ -96,14 +100,41 @@ def one_token_bandwidth(out_features: int, in_features: int) -> dict[str, tuple[
     return {q: (us, w[0].nbytes / us / 1e3) for (q, w), us in zip(weights.items(), medians)}
 
 
-def print_bandwidth_table(results: dict[tuple[int, int], dict[str, tuple[float, float]]]) -> None:
+def compute_ns_per_32_weights(out_features: int = 512, in_features: int = 2048, calls: int = 100) -> dict[str, float]:
+    """Median over 7 rounds of each format's thread CPU time per 32 weights, one token, one thread, the weight
+    (under 1.1 MB in every format) in cache."""
+    dense = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(1)) * 0.05
+    x, out = torch.randn(1, in_features), torch.empty(1, out_features)
+    weights = {qtype: quantize(dense, qtype) for qtype in BANDWIDTH_QTYPES}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rounds: dict[str, list[float]] = {qtype: [] for qtype in weights}
+    try:
+        for _ in range(7):
+            for qtype, weight in weights.items():
+                quantized_linear(x, weight, out=out)
+                start = time.thread_time()
+                for _ in range(calls):
+                    quantized_linear(x, weight, out=out)
+                rounds[qtype].append((time.thread_time() - start) / calls)
+    finally:
+        torch.set_num_threads(threads)
+    groups = out_features * in_features / 32
+    return {qtype: 1e9 * statistics.median(seconds) / groups for qtype, seconds in rounds.items()}
+
+
+def print_bandwidth_table(
+    results: dict[tuple[int, int], dict[str, tuple[float, float]]], compute_ns: dict[str, float]
+) -> None:
     shapes = list(results)
-    print("| format | bits a weight | " + " | ".join(f"{o} x {i}: µs, GB/s" for o, i in shapes) + " |")
-    print("|---|---:|" + "---:|" * len(shapes))
+    header = " | ".join(f"{o} x {i}: µs, GB/s" for o, i in shapes)
+    print(f"| format | bits a weight | {header} | 1 thread, cached: ns / 32 weights |")
+    print("|---|---:|" + "---:|" * (len(shapes) + 1))
     for qtype in BANDWIDTH_QTYPES:
         fmt = FORMATS[qtype]
         cells = " | ".join(f"{results[s][qtype][0]:,.0f}, {results[s][qtype][1]:.1f}" for s in shapes)
-        print(f"| {qtype.upper()} | {8 * fmt.block_bytes / fmt.block_weights:.2f} | {cells} |")
+        bits = 8 * fmt.block_bytes / fmt.block_weights
+        print(f"| {qtype.upper()} | {bits:.2f} | {cells} | {compute_ns[qtype]:.2f} |")
 
 
 def main() -> None:
@@ -116,6 +147,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     if bandwidth:
         results = {shape: one_token_bandwidth(*shape) for shape in BANDWIDTH_SHAPES}
+        compute_ns = compute_ns_per_32_weights()
     else:
         table = {(model, name, o, i): projection_rows(o, i) for model, name, o, i in PROJECTIONS}
     print(f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; torch {torch.__version__}")
@@ -124,7 +156,7 @@ def main() -> None:
     )
     print(f"medians of {SAMPLES} interleaved calls per path; weights from memory, not cache\n")
     if bandwidth:
-        print_bandwidth_table(results)
+        print_bandwidth_table(results, compute_ns)
     else:
         print_table(table)
 
