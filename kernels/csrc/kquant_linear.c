@@ -27,12 +27,10 @@
  * Layout: x is token-major, [M, K] with rows `ldx` floats apart; y is [M, N], written with strides `ldy_token`
  * and `ldy_row`, so the caller picks token-major (ldy_row = 1) or feature-major (ldy_token = 1) output.
  *
- * Byte planes: a group's 32 bytes (its nibbles, or its 6-bit values once assembled) are read as eight 32-bit
- * words, and vector k of the group holds byte k of every word: weights k, k + 4, ..., k + 28. Extracting a plane
- * is a shift and a mask of whole words, where widening bytes in their stored order would take a shuffle each
- * (and GCC 12 widens all but the lowest eight bytes of a register one lane at a time). So x is permuted the same
- * way once per call (permute_x), and every dot product runs in plane order. Each plane of a Q6_K group holds
- * weights of both its 16-weight sub-blocks: lanes 0-3 the first's, 4-7 the second's.
+ * Byte planes (byte_planes.h): a group's 32 bytes (its nibbles, or its 6-bit values once assembled) are read as
+ * eight 32-bit words, and vector k of the group holds byte k of every word: weights k, k + 4, ..., k + 28. So x is
+ * permuted the same way once per call (permute_x), and every dot product runs in plane order. Each plane of a
+ * Q6_K group holds weights of both its 16-weight sub-blocks: lanes 0-3 the first's, 4-7 the second's.
  *
  * Register tile, as in quantized_linear.c: one weight row x up to TOKENS tokens. Each super-block's scales are
  * unpacked once; each group of 32 weights is dequantized into four vectors and every token of the tile adds
