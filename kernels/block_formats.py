@@ -7,8 +7,8 @@ Formats of 32-weight blocks along the input dimension (a row is in/32 consecutiv
     q5_0, 22 bytes: fp16 d, uint8 qh[4], uint8 qs[16];  w = d * (q - 16)
     q5_1, 24 bytes: fp16 d, fp16 m, qh[4], qs[16];      w = d * q + m
 where weight j < 16 is the low nibble of qs[j] and weight j + 16 its high nibble; q5's fifth bit of weight j
-is bit j of qh (a little-endian uint32). K-quants (super-blocks of
-SUPER_BLOCK = 256 weights, sub-blocks with scales of their own; csrc/kquant_linear.c details the bit layouts):
+is bit j of qh (a little-endian uint32). K-quants (super-blocks of SUPER_BLOCK = 256 weights, sub-blocks with
+scales of their own; csrc/kquant_linear.c details the bit layouts):
     q4_k, 144 bytes: fp16 d, fp16 dmin, 8 6-bit (scale, min) pairs, 4-bit q;     w = d * sc * q - dmin * m
     q5_k, 176 bytes: as q4_k with a fifth bit of q from qh[32]
     q6_k, 210 bytes: 6-bit q, int8 scales[16] (one per 16 weights), fp16 d;      w = d * scale * (q - 32)
