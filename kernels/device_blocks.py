@@ -87,9 +87,9 @@ def pack_for_device(weight: QuantizedWeight, device: torch.device | str) -> Devi
         return DeviceQuantizedWeight(qtype, weight.shape, field(4, 20), d, mins=m)
     if qtype in ("q5_0", "q5_1"):
         qh = 2 if qtype == "q5_0" else 4  # after d (and m); a little-endian uint32, read as int32
-        m = field(2, 4, torch.float16) if qtype == "q5_1" else None
+        offsets = field(2, 4, torch.float16) if qtype == "q5_1" else None
         quants, d, high_bits = field(qh + 4, qh + 20), field(0, 2, torch.float16), field(qh, qh + 4, torch.int32)
-        return DeviceQuantizedWeight(qtype, weight.shape, quants, d, high_bits, mins=m)
+        return DeviceQuantizedWeight(qtype, weight.shape, quants, d, high_bits, mins=offsets)
     if qtype == "q2_k":
         d, dmin = field(80, 82, torch.float16), field(82, 84, torch.float16)
         return DeviceQuantizedWeight(qtype, weight.shape, field(16, 80), field(0, 16), super_scales=d, super_mins=dmin)
