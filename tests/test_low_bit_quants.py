@@ -38,7 +38,7 @@ SCALE_OFFSETS = {  # where each format keeps its fp16 scales
     **{"q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82), "q3_k": (108,)},
     **{"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)},
 }
-TOKENS = (1, 3, 8, 16, 40)  # the single-token kernel, register tiles, and the float32 tiles from 16
+TOKENS = (1, 3, 8, 11, 16, 40)  # the single-token kernel, register tiles (11: 8 and 3), float32 tiles from 16
 
 
 def ggml_type(qtype: str) -> gguf.GGMLQuantizationType:
