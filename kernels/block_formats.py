@@ -4,11 +4,17 @@ Formats of 32-weight blocks along the input dimension (a row is in/32 consecutiv
     q8_0, 34 bytes: fp16 d, int8 q[32];                 w = d * q
     q4_0, 18 bytes: fp16 d, uint8 qs[16];               w = d * (nibble - 8)
     q4_1, 20 bytes: fp16 d, fp16 m, uint8 qs[16];       w = d * nibble + m
-where weight j < 16 is the low nibble of qs[j] and weight j + 16 its high nibble. K-quants (super-blocks of
-SUPER_BLOCK = 256 weights, sub-blocks with scales of their own; csrc/kquant_linear.c details the bit layouts):
+    q5_0, 22 bytes: fp16 d, uint8 qh[4], uint8 qs[16];  w = d * (q - 16)
+    q5_1, 24 bytes: fp16 d, fp16 m, qh[4], qs[16];      w = d * q + m
+where weight j < 16 is the low nibble of qs[j] and weight j + 16 its high nibble; q5's fifth bit of weight j
+is bit j of qh (a little-endian uint32). K-quants (super-blocks of SUPER_BLOCK = 256 weights, sub-blocks with
+scales of their own; csrc/kquant_linear.c details the bit layouts):
     q4_k, 144 bytes: fp16 d, fp16 dmin, 8 6-bit (scale, min) pairs, 4-bit q;     w = d * sc * q - dmin * m
     q5_k, 176 bytes: as q4_k with a fifth bit of q from qh[32]
     q6_k, 210 bytes: 6-bit q, int8 scales[16] (one per 16 weights), fp16 d;      w = d * scale * (q - 32)
+    q2_k, 84 bytes: 4-bit (scale, min) pairs per 16 weights, 2-bit q, fp16 d, dmin;  w = d * sc * q - dmin * m
+    q3_k, 110 bytes: 3-bit q (high bits in hmask[32]), 6-bit scales per 16, fp16 d;  w = d * (sc - 32) * (q - 4)
+(csrc/kquant_low_bits.c details the last two).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-BLOCK = 32  # weights per block of q8_0, q4_0 and q4_1
+BLOCK = 32  # weights per block of q8_0, q4_0, q4_1, q5_0 and q5_1
 SUPER_BLOCK = 256  # weights per super-block of the K-quants
 
 
@@ -45,9 +51,13 @@ FORMATS: dict[str, BlockFormat] = {
     "q8_0": BlockFormat(ggml_type=8, block_bytes=34),
     "q4_0": BlockFormat(ggml_type=2, block_bytes=18),
     "q4_1": BlockFormat(ggml_type=3, block_bytes=20),
+    "q5_0": BlockFormat(ggml_type=6, block_bytes=22),
+    "q5_1": BlockFormat(ggml_type=7, block_bytes=24),
     "q4_k": BlockFormat(ggml_type=12, block_bytes=144, block_weights=SUPER_BLOCK),
     "q5_k": BlockFormat(ggml_type=13, block_bytes=176, block_weights=SUPER_BLOCK),
     "q6_k": BlockFormat(ggml_type=14, block_bytes=210, block_weights=SUPER_BLOCK),
+    "q2_k": BlockFormat(ggml_type=10, block_bytes=84, block_weights=SUPER_BLOCK),
+    "q3_k": BlockFormat(ggml_type=11, block_bytes=110, block_weights=SUPER_BLOCK),
 }
 
 

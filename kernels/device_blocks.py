@@ -11,10 +11,16 @@ field each, row-major [out, ...], every row of quants a contiguous run (in_featu
     q4_k    uint8 qs [N, K/2]  -                  uint8 sc [N, K/32]  uint8 m [N, K/32]   fp16 [N, K/256] each
     q5_k    uint8 qs [N, K/2]  uint8 qh [N, K/8]  uint8 sc [N, K/32]  uint8 m [N, K/32]   fp16 [N, K/256] each
     q6_k    uint8 ql [N, K/2]  uint8 qh [N, K/4]  int8 sc [N, K/16]   -                   fp16 d [N, K/256]
+    q5_0    uint8 qs [N, K/2]  int32 qh [N, K/32] fp16 d [N, K/32]    -                   -
+    q5_1    uint8 qs [N, K/2]  int32 qh [N, K/32] fp16 d [N, K/32]    fp16 m [N, K/32]    -
+    q2_k    uint8 qs [N, K/4]  -                  uint8 sc [N, K/16]  -                   fp16 [N, K/256] each
+    q3_k    uint8 qs [N, K/4]  uint8 hm [N, K/8]  uint8 sc [N, 12K/256]  -                fp16 d [N, K/256]
 
 The quant bytes keep GGUF's order, so a byte still pairs two weights G apart (its low and its high nibble):
 G = 16 for q4_0/q4_1 (a block's bytes), 32 for q4_k/q5_k (a sub-block pair), 64 for q6_k (half a
-super-block's ql). The kernel (triton_dequant_tiles.py) multiplies the two nibbles' weights separately, by
+super-block's ql; q5_0/q5_1 take q4_0's and q4_1's). Q2_K's and Q3_K's bytes hold four 2-bit fields, weights
+32 apart; their scales stay packed as stored (Q2_K's scale and min nibbles, Q3_K's 12 bytes of 6-bit scales),
+unpacked by the kernel. The kernel (triton_dequant_tiles.py) multiplies the two nibbles' weights separately, by
 activations gathered G apart, and never reorders them. The K-quants' 6-bit (scale, min) pairs are unpacked
 to a byte each (16 bytes for 12), so a packed weight is at most 3% larger than the file's. Every value is
 the file's: nothing is rounded.
@@ -32,6 +38,7 @@ from pagedserve.kernels.quantized_reference import _scales_and_mins
 # Weights a quant byte's two nibbles lie apart (see above); q8_0, one weight a byte, is read in halves of
 # its blocks as if it paired weights 16 apart.
 NIBBLE_PAIR_DISTANCE = {"q8_0": 16, "q4_0": 16, "q4_1": 16, "q4_k": 32, "q5_k": 32, "q6_k": 64}
+NIBBLE_PAIR_DISTANCE |= {"q5_0": 16, "q5_1": 16, "q2_k": 32, "q3_k": 32}  # 2-bit fields: weights 32 apart
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: comparing tensors elementwise is not equality
@@ -78,6 +85,23 @@ def pack_for_device(weight: QuantizedWeight, device: torch.device | str) -> Devi
     if qtype == "q4_1":
         d, m = field(0, 2, torch.float16), field(2, 4, torch.float16)
         return DeviceQuantizedWeight(qtype, weight.shape, field(4, 20), d, mins=m)
+    if qtype in ("q5_0", "q5_1"):
+        qh = 2 if qtype == "q5_0" else 4  # after d (and m); a little-endian uint32, read as int32
+        offsets = field(2, 4, torch.float16) if qtype == "q5_1" else None
+        quants, d, high_bits = field(qh + 4, qh + 20), field(0, 2, torch.float16), field(qh, qh + 4, torch.int32)
+        return DeviceQuantizedWeight(qtype, weight.shape, quants, d, high_bits, mins=offsets)
+    if qtype == "q2_k":
+        d, dmin = field(80, 82, torch.float16), field(82, 84, torch.float16)
+        return DeviceQuantizedWeight(qtype, weight.shape, field(16, 80), field(0, 16), super_scales=d, super_mins=dmin)
+    if qtype == "q3_k":
+        return DeviceQuantizedWeight(
+            qtype,
+            weight.shape,
+            field(32, 96),
+            field(96, 108),
+            field(0, 32),
+            super_scales=field(108, 110, torch.float16),
+        )
     if qtype == "q6_k":
         return DeviceQuantizedWeight(
             qtype,

@@ -1,9 +1,10 @@
-"""x @ W^T with W kept in ggml's block formats (kernels/block_formats.py: Q8_0, Q4_0, Q4_1 and the K-quants
-Q4_K, Q5_K, Q6_K, as GGUF files store them), for the CPU.
+"""x @ W^T with W kept in ggml's block formats (kernels/block_formats.py: Q8_0, Q5_0, Q5_1, Q4_0, Q4_1 and the
+K-quants Q2_K to Q6_K, as GGUF files store them), for the CPU.
 
 A decode step of one sequence reads every weight once: on the CPU it is bound by memory bandwidth, and
-these formats are 3.8-7.1x smaller than float32. `quantized_linear` multiplies float32 activations by the
-weight as stored, with the kernels in csrc/quantized_linear.c and csrc/kquant_linear.c: a few tokens dequantize
+these formats are 3.8-12x smaller than float32. `quantized_linear` multiplies float32 activations by the
+weight as stored, with the kernels in csrc/quantized_linear.c and csrc/kquant_linear.c (and the formats of
+csrc/q5_linear.c and csrc/kquant_low_bits.c, which those two look up): a few tokens dequantize
 each block as it streams past; from 16 tokens (prefill, where the product is bound by arithmetic, not by bytes)
 rows are dequantized a few at a time into float32 register tiles (csrc/dequantized_tiles.c), so no float32
 copy of the whole weight ever exists. Without the compiled library, ROW_TILE rows at a time are dequantized

@@ -23,6 +23,7 @@ from pagedserve.kernels.cpu_backend import CpuBackend
 from pagedserve.kernels.device_blocks import DeviceQuantizedWeight, pack_for_device
 from pagedserve.kernels.quantized_reference import dequantize, quantize
 from tests.kernel_cases import triton_test_device
+from tests.test_low_bit_quants import random_blocks
 
 triton = pytest.importorskip("triton")
 kernel_module = pytest.importorskip("pagedserve.kernels.triton_quantized_linear")
@@ -94,6 +95,13 @@ def test_split_k_partial_sums_add_up(qtype: str) -> None:
     weight = _weight(qtype, 21, in_features, seed=2)
     x = torch.randn(2, in_features, device=DEVICE)
     _assert_matches(x, weight, torch.randn(21, device=DEVICE), GemmTiles(16, 32, block_k, split_k=3))
+
+
+@pytest.mark.parametrize("qtype", ["q5_0", "q5_1", "q2_k", "q3_k"])
+def test_random_blocks_of_the_low_bit_formats(qtype: str) -> None:
+    """Every bit pattern of their quants, high bits and packed scales, not only the ones the quantizers write."""
+    weight = random_blocks(qtype, 19, 512, seed=7)
+    _assert_matches(torch.randn(3, 512, device=DEVICE), weight, torch.randn(19, device=DEVICE))
 
 
 def test_many_tokens_and_any_activation_strides() -> None:

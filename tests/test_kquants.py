@@ -90,8 +90,8 @@ def test_in_features_must_be_whole_super_blocks(qtype: str) -> None:
         quantize(torch.randn(8, 576), qtype)
     with pytest.raises(ValueError, match="multiple of the 256-weight block"):
         QuantizedWeight.from_gguf(np.zeros(8 * 2 * 210, np.uint8), GGML_TYPES[qtype], (8, 544))
-    with pytest.raises(ValueError, match="ggml type 6 is not one of"):
-        QuantizedWeight.from_gguf(np.zeros(8 * 2 * 22, np.uint8), gguf.GGMLQuantizationType.Q5_0, (8, 64))
+    with pytest.raises(ValueError, match="ggml type 35 is not one of"):
+        QuantizedWeight.from_gguf(np.zeros(8 * 66, np.uint8), gguf.GGMLQuantizationType.TQ2_0, (8, 256))
 
 
 # --- the kernel against the reference -----------------------------------------------------------------------
@@ -162,13 +162,13 @@ TINY = dict(
     tie_word_embeddings=True,
 )
 # Each tensor's type, as llama.cpp's Q4_K_M mixes them: Q6_K for some v and down projections and the tied
-# embedding, Q4_K for the rest; plus a Q5_K pair and a Q5_0 tensor.
+# embedding, Q4_K for the rest; plus a Q5_K pair and a TQ2_0 tensor, which has no kernel.
 TENSOR_TYPES = {
     "blk.0.attn_v": "Q6_K",  # q and k are Q4_K: the fused qkv mixes types, multiplied as three products
     "blk.0.ffn_down": "Q6_K",
     "blk.1.ffn_gate": "Q5_K",
     "blk.1.ffn_up": "Q5_K",
-    "blk.1.attn_output": "Q5_0",
+    "blk.1.attn_output": "TQ2_0",
     "token_embd": "Q6_K",
 }
 SPECIAL_TOKENS = 17  # SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>, ...
@@ -215,17 +215,17 @@ def tiny_llama_tensors() -> dict[str, np.ndarray]:
     return tensors
 
 
-def encoded(name: str, weight: np.ndarray) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-    """A tensor's bytes in its type: norms in float32, the rest as TENSOR_TYPES says (Q4_K by default)."""
+def encoded(name: str, weight: np.ndarray, types: dict[str, str]) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """A tensor's bytes in its type: norms in float32, the rest as `types` says (Q4_K by default)."""
     if weight.ndim == 1:
         return weight, gguf.GGMLQuantizationType.F32
-    qtype = gguf.GGMLQuantizationType[TENSOR_TYPES.get(name, "Q4_K")]
+    qtype = gguf.GGMLQuantizationType[types.get(name, "Q4_K")]
     if qtype.name.lower() in FORMATS:
         return quantize(torch.from_numpy(weight), qtype.name.lower()).blocks.numpy(), qtype
     return gguf.quants.quantize(weight, qtype), qtype
 
 
-def write_tiny_gguf(path: Path, smol_dir: Path) -> None:
+def write_tiny_gguf(path: Path, smol_dir: Path, types: dict[str, str] = TENSOR_TYPES) -> None:
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(TINY["num_hidden_layers"])
     writer.add_context_length(TINY["max_position_embeddings"])
@@ -238,7 +238,7 @@ def write_tiny_gguf(path: Path, smol_dir: Path) -> None:
     writer.add_vocab_size(TINY["vocab_size"])
     add_tokenizer(writer, smol_dir)
     for name, weight in tiny_llama_tensors().items():
-        data, qtype = encoded(name, weight)
+        data, qtype = encoded(name, weight, types)
         writer.add_tensor(f"{name}.weight", data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -280,11 +280,11 @@ def test_the_file_is_read_in_its_stored_formats(q4_k_m_file: Path, caplog: pytes
     x = torch.randn(3, TINY["hidden_size"])
     expected = x @ rows.T
     torch.testing.assert_close(modules["layers.0.self_attn.qkv_proj"](x).contiguous(), expected, rtol=1e-4, atol=1e-4)
-    without_kernel = modules["layers.1.self_attn.o_proj"]  # Q5_0: dequantized alone, where no kernel reads it
-    assert without_kernel.quantized is not None or "q5_0" not in FORMATS
-    if "q5_0" not in FORMATS:
-        [line] = [r.getMessage() for r in caplog.records if "multiply in float" in r.getMessage()]
-        assert "Q5_0: layers.1.self_attn.o_proj" in line
+    without_kernel = modules["layers.1.self_attn.o_proj"]  # TQ2_0: dequantized alone, no kernel reads it
+    assert isinstance(without_kernel, Linear) and without_kernel.quantized is None
+    assert torch.equal(without_kernel.weight.data, float_modules["layers.1.self_attn.o_proj"].weight.data)
+    [line] = [r.getMessage() for r in caplog.records if "multiply in float" in r.getMessage()]
+    assert "TQ2_0: layers.1.self_attn.o_proj" in line
 
 
 def test_greedy_tokens_equal_the_dequantized_models(stored_and_float: tuple[LoadedModel, LoadedModel]) -> None:

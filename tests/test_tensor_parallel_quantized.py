@@ -53,7 +53,7 @@ def no_rank_left_behind() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def tiny_q4_k_m(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Iterator[Path]:
-    """tests/test_kquants.py's tiny Q4_K_M-style GGUF (hidden 256, MLP 512, mixed Q4_K/Q5_K/Q6_K/Q5_0, a tied
+    """tests/test_kquants.py's tiny Q4_K_M-style GGUF (hidden 256, MLP 512, mixed Q4_K/Q5_K/Q6_K/TQ2_0, a tied
     Q6_K head), converted into a cache folder of this module's own; the ranks inherit the variable."""
     folder = tmp_path_factory.mktemp("tp-q4_k_m")
     path = folder / "tiny-q4_k_m.gguf"
@@ -153,7 +153,7 @@ def test_k_quant_ranks_keep_their_blocks_and_slices_off_blocks_stay_float(
     with caplog.at_level(logging.INFO, logger="pagedserve.engine.worker.weights.gguf"):
         ranks = load_ranks(2, model=str(tiny_q4_k_m))
     whole = load_model(EngineConfig(model=str(tiny_q4_k_m))).model
-    expected_blocks = in_blocks(whole) - {"layers.0.self_attn.o_proj"}  # layers.1's o_proj is Q5_0: float anyway
+    expected_blocks = in_blocks(whole) - {"layers.0.self_attn.o_proj"}  # layers.1's o_proj is TQ2_0: float anyway
     notes = [r.getMessage() for r in caplog.records if "row-parallel" in r.getMessage()]
     assert len(notes) == 2 and "Q4_K: layers.0.self_attn.o_proj" in notes[1] and "rank 1 of 2" in notes[1]
     o_proj = whole.get_submodule("layers.0.self_attn.o_proj")

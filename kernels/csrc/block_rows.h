@@ -39,6 +39,12 @@ typedef struct {
 /* The entry of `formats` for ggml type id `ggml_type`, or NULL. */
 const block_format *block_format_of(const block_format *formats, int count, int ggml_type);
 
+/* The formats of the files beside quantized_linear.c and kquant_linear.c, which their entry points also look up:
+ * q5_linear.c's 32-weight blocks (Q5_0, Q5_1) and kquant_low_bits.c's super-blocks (Q2_K, Q3_K). NULL for a
+ * type the file does not hold. */
+const block_format *q5_format(int ggml_type);
+const block_format *low_bit_kquant_format(int ggml_type);
+
 /*
  * y[m, n] = sum_k W[n, k] * x[m, k] + bias[n] (bias may be NULL), for m < M tokens and n < N rows, W N rows of
  * K / block_weights blocks of `format`, contiguous. Returns 0; -1 (y untouched) for a NULL format or a K that

@@ -27,12 +27,10 @@
  * Layout: x is token-major, [M, K] with rows `ldx` floats apart; y is [M, N], written with strides `ldy_token`
  * and `ldy_row`, so the caller picks token-major (ldy_row = 1) or feature-major (ldy_token = 1) output.
  *
- * Byte planes: a group's 32 bytes (its nibbles, or its 6-bit values once assembled) are read as eight 32-bit
- * words, and vector k of the group holds byte k of every word: weights k, k + 4, ..., k + 28. Extracting a plane
- * is a shift and a mask of whole words, where widening bytes in their stored order would take a shuffle each
- * (and GCC 12 widens all but the lowest eight bytes of a register one lane at a time). So x is permuted the same
- * way once per call (permute_x), and every dot product runs in plane order. Each plane of a Q6_K group holds
- * weights of both its 16-weight sub-blocks: lanes 0-3 the first's, 4-7 the second's.
+ * Byte planes (byte_planes.h): a group's 32 bytes (its nibbles, or its 6-bit values once assembled) are read as
+ * eight 32-bit words, and vector k of the group holds byte k of every word: weights k, k + 4, ..., k + 28. So x is
+ * permuted the same way once per call (permute_x), and every dot product runs in plane order. Each plane of a
+ * Q6_K group holds weights of both its 16-weight sub-blocks: lanes 0-3 the first's, 4-7 the second's.
  *
  * Register tile, as in quantized_linear.c: one weight row x up to TOKENS tokens. Each super-block's scales are
  * unpacked once; each group of 32 weights is dequantized into four vectors and every token of the tile adds
@@ -50,6 +48,7 @@
 #include <string.h>
 
 #include "block_rows.h"
+#include "byte_planes.h"
 #include "half_float.h"
 #include "vector_math.h"
 
@@ -67,31 +66,6 @@ enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
 enum format { Q4_K, Q5_K, Q6_K, FORMATS };
 enum { Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210 };
 static const int64_t BLOCK_BYTES[FORMATS] = {Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
-
-/* A group's 32 bytes as eight words, and eight bytes, from any address. */
-typedef uint32_t words __attribute__((vector_size(32), aligned(1), may_alias));
-typedef uint8_t bytes8 __attribute__((vector_size(8), aligned(1), may_alias));
-typedef int8_t signed_bytes32 __attribute__((vector_size(32)));
-typedef int32_t ints __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-/* Byte k of each word as floats, unsigned or signed (shifted to the top, then arithmetically down). */
-static inline vec byte_plane(words v, int k) { return __builtin_convertvector((ints)((v >> (8 * k)) & 0xFF), vec); }
-static inline vec signed_byte_plane(words v, int k) {
-    return __builtin_convertvector((ints)(v << (24 - 8 * k)) >> 24, vec);
-}
-
-/* The four bytes of `low`, then of `high`, as eight floats: one variable shift of broadcast words (GCC 12 would
- * move eight bytes into a vector one at a time). */
-static inline vec bytes_of_words(uint32_t low, uint32_t high) {
-    const words v = {low, low, low, low, high, high, high, high}, shifts = {0, 8, 16, 24, 0, 8, 16, 24};
-    return __builtin_convertvector((ints)((v >> shifts) & 0xFF), vec);
-}
-
-/* Eight bytes as floats, read unsigned less `offset` (GCC 12 converts a byte vector one lane at a time when it
- * is signed or comes straight from memory: see quantized_linear.c). */
-static inline vec bytes_to_floats(bytes8 b, int32_t offset) {
-    return __builtin_convertvector(__builtin_convertvector(b, ints) - offset, vec);
-}
 
 /*
  * A super-block's scales as floats: Q4_K and Q5_K subtract min[j] from d * sc[j] * q in group j, scale[j] =
@@ -245,33 +219,6 @@ static inline __attribute__((always_inline)) void row_single(float *y, const flo
     *y = horizontal_sum(scaled) - horizontal_sum(offsets) + bias;
 }
 
-/*
- * A group's four byte planes as its 32 weights in order: weight 4 * lane + k is plane k's lane, so floats
- * 8m..8m+7 are lanes 2m and 2m + 1 of the four planes (a 4 x 8 transpose, in three rounds of shuffles).
- */
-static inline void store_group(float *out, const vec plane[4]) {
-    const vec low01 = SHUFFLE(plane[0], plane[1], 0, 8, 1, 9, 4, 12, 5, 13);
-    const vec low23 = SHUFFLE(plane[2], plane[3], 0, 8, 1, 9, 4, 12, 5, 13);
-    const vec high01 = SHUFFLE(plane[0], plane[1], 2, 10, 3, 11, 6, 14, 7, 15);
-    const vec high23 = SHUFFLE(plane[2], plane[3], 2, 10, 3, 11, 6, 14, 7, 15);
-    const vec lanes04 = SHUFFLE(low01, low23, 0, 1, 8, 9, 4, 5, 12, 13); /* lane 0's four weights, then lane 4's */
-    const vec lanes15 = SHUFFLE(low01, low23, 2, 3, 10, 11, 6, 7, 14, 15);
-    const vec lanes26 = SHUFFLE(high01, high23, 0, 1, 8, 9, 4, 5, 12, 13);
-    const vec lanes37 = SHUFFLE(high01, high23, 2, 3, 10, 11, 6, 7, 14, 15);
-    store(out, SHUFFLE(lanes04, lanes15, 0, 1, 2, 3, 8, 9, 10, 11));
-    store(out + LANES, SHUFFLE(lanes26, lanes37, 0, 1, 2, 3, 8, 9, 10, 11));
-    store(out + 2 * LANES, SHUFFLE(lanes04, lanes15, 4, 5, 6, 7, 12, 13, 14, 15));
-    store(out + 3 * LANES, SHUFFLE(lanes26, lanes37, 4, 5, 6, 7, 12, 13, 14, 15));
-}
-
-/* One token's K activations in plane order: within each group of 32, vector k holds features k, k + 4, ...,
- * k + 28, as byte plane k holds those weights. */
-static void permute_x(float *out, const float *x, int64_t K) {
-    for (int64_t g = 0; g < K; g += GROUP)
-        for (int k = 0; k < 4; ++k)
-            for (int lane = 0; lane < LANES; ++lane) out[g + k * LANES + lane] = x[g + 4 * lane + k];
-}
-
 #include "block_row_kernels.h"
 
 BLOCK_KERNELS(Q4_K) BLOCK_KERNELS(Q5_K) BLOCK_KERNELS(Q6_K)
@@ -280,16 +227,21 @@ static const block_format FORMAT_TABLE[FORMATS] = {
     BLOCK_FORMAT(Q4_K, GGML_Q4_K, 1, permute_x), BLOCK_FORMAT(Q5_K, GGML_Q5_K, 1, permute_x),
     BLOCK_FORMAT(Q6_K, GGML_Q6_K, 0, permute_x)};
 
+/* The format of ggml type id `ggml_type`: this file's, or kquant_low_bits.c's; NULL for another. */
+static const block_format *format_of(int ggml_type) {
+    const block_format *format = block_format_of(FORMAT_TABLE, FORMATS, ggml_type);
+    return format ? format : low_bit_kquant_format(ggml_type);
+}
+
 /*
  * y[m, n] = sum_k W[n, k] * x[m, k] + bias[n] (bias may be NULL), for m < M tokens and n < N rows, W in the
- * format of ggml type id `ggml_type` (Q4_K, Q5_K or Q6_K), N rows of K / 256 super-blocks each, contiguous.
+ * format of ggml type id `ggml_type` (Q2_K to Q6_K), N rows of K / 256 super-blocks each, contiguous.
  * Returns 0; -1 (y untouched) for another type or a K that is not a positive multiple of 256; -2 if scratch
  * memory ran out.
  */
 int kquant_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx, const uint8_t *w,
                       const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type, int num_threads) {
-    return block_linear_f32(block_format_of(FORMAT_TABLE, FORMATS, ggml_type), y, ldy_token, ldy_row, x, ldx, w,
-                            bias, M, N, K, num_threads);
+    return block_linear_f32(format_of(ggml_type), y, ldy_token, ldy_row, x, ldx, w, bias, M, N, K, num_threads);
 }
 
 /*
@@ -298,5 +250,5 @@ int kquant_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float 
  * untouched) for another type or a K that is not a positive multiple of 256.
  */
 int kquant_dequantize_f32(float *out, const uint8_t *w, int64_t N, int64_t K, int ggml_type, int num_threads) {
-    return block_dequantize_f32(block_format_of(FORMAT_TABLE, FORMATS, ggml_type), out, w, N, K, num_threads);
+    return block_dequantize_f32(format_of(ggml_type), out, w, N, K, num_threads);
 }

@@ -220,17 +220,22 @@ static const block_format FORMAT_TABLE[FORMATS] = {
     BLOCK_FORMAT(Q8_0, GGML_Q8_0, 0, NULL), BLOCK_FORMAT(Q4_0, GGML_Q4_0, 0, NULL),
     BLOCK_FORMAT(Q4_1, GGML_Q4_1, 1, NULL)};
 
+/* The format of ggml type id `ggml_type`: this file's, or q5_linear.c's; NULL for another. */
+static const block_format *format_of(int ggml_type) {
+    const block_format *format = block_format_of(FORMAT_TABLE, FORMATS, ggml_type);
+    return format ? format : q5_format(ggml_type);
+}
+
 /*
  * y[m, n] = sum_k W[n, k] * x[m, k] + bias[n] (bias may be NULL), for m < M tokens and n < N rows, W in the
- * format of ggml type id `ggml_type` (Q8_0, Q4_0 or Q4_1), N rows of K / 32 blocks each, contiguous.
+ * format of ggml type id `ggml_type` (Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1), N rows of K / 32 blocks each, contiguous.
  * Returns 0; -1 (y untouched) for another type or a K that is not a positive multiple of 32; -2 if scratch
  * memory ran out.
  */
 int quantized_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx,
                          const uint8_t *w, const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type,
                          int num_threads) {
-    return block_linear_f32(block_format_of(FORMAT_TABLE, FORMATS, ggml_type), y, ldy_token, ldy_row, x, ldx, w,
-                            bias, M, N, K, num_threads);
+    return block_linear_f32(format_of(ggml_type), y, ldy_token, ldy_row, x, ldx, w, bias, M, N, K, num_threads);
 }
 
 /*
@@ -239,5 +244,5 @@ int quantized_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const flo
  * untouched) for another type or a K that is not a positive multiple of 32.
  */
 int dequantize_f32(float *out, const uint8_t *w, int64_t N, int64_t K, int ggml_type, int num_threads) {
-    return block_dequantize_f32(block_format_of(FORMAT_TABLE, FORMATS, ggml_type), out, w, N, K, num_threads);
+    return block_dequantize_f32(format_of(ggml_type), out, w, N, K, num_threads);
 }

@@ -111,9 +111,10 @@ def read_index(gguf_file: Path) -> TensorIndex:
     where gguf-py's (the fallback, for older transformers) parses every metadata field first."""
     try:
         from transformers.integrations.gguf.reader import GgufHeader
-    except ImportError:
+
+        header = GgufHeader.from_file(str(gguf_file))
+    except (ImportError, ValueError):  # older transformers; or a type it does not size (Q5_0, Q5_1, TQ*, ...)
         return _read_index_with_gguf_py(gguf_file)
-    header = GgufHeader.from_file(str(gguf_file))
     tensors = {
         t.name: StoredTensor(t.name, t.ggml_type, tuple(reversed(t.shape)), header.data_start + t.offset, t.nbytes)
         for t in header.tensors
