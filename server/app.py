@@ -20,6 +20,7 @@ from pagedserve.server.middleware import (
 )
 from pagedserve.server.responses import handler as responses
 from pagedserve.server.service import handler as service
+from pagedserve.server.tokenization import handler as tokenization
 from pagedserve.server.web_page import page_paths, web_page_router
 
 
@@ -31,7 +32,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     engine.add_observer(metrics)
     app.state.serving = ServingContext(engine, settings, metrics)
     install_error_handlers(app)
-    for module in (chat, completions, responses, service):
+    for module in (chat, completions, responses, service, tokenization):
         app.include_router(module.router)
     if settings.web_page:
         app.include_router(web_page_router())

@@ -62,15 +62,12 @@ CHAT: dict[str, Refusal] = {
     "echo": ((False,), "echo is supported on /v1/completions only"),
     "best_of": ((1,), "use n"),
     "chat_template": ((), "a client's chat template is not accepted: the model's own is used"),
-    "chat_template_kwargs": (({},), "not supported"),
     "documents": ((), "not supported"),
     "include_reasoning": ((), "not supported"),
-    "add_special_tokens": ((False,), "the chat template places the special tokens"),
 }
 
 COMPLETIONS: dict[str, Refusal] = {
     **SHARED,
-    "add_special_tokens": ((True,), "prompts are always encoded with the tokenizer's special tokens"),
 }
 
 # Defined by OpenAI (or vLLM) and accepted: none of them changes the output.

@@ -30,7 +30,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     with call.client_errors("prompt"):
         params = body.sampling_params()
         check_admissible(engine.limits, len(body.prompts), params.n)  # before tokenizing: it costs nothing
-        prompts = [await engine.encode_prompt(prompt) for prompt in body.prompts]
+        prompts = [await engine.encode_prompt(prompt, body.add_special_tokens) for prompt in body.prompts]
     streams = await call.start(prompts, params, "prompt", body.timeout)
     logger.debug(
         "request %s: completion, %d prompts, %d prompt tokens, n=%d, stream=%s",
@@ -42,7 +42,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     )
     reply = CompletionReply(call.ctx, body, prompts, _echoes(engine, body, prompts), params.n)
     if body.stream:
-        return sse_response(sse_events(reply, streams, params.n, record, body.include_usage), streams)
+        return sse_response(
+            sse_events(reply, streams, params.n, record, body.include_usage, body.continuous_usage), streams
+        )
     return reply.completion(await call.collect(streams, params.n), record.usage())
 
 

@@ -30,6 +30,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: TopLogprobs | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
     best_of: int | None = None
 
     @field_validator("prompt", mode="before")
