@@ -74,6 +74,7 @@ class RequestBody(BaseModel):
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far in every chunk too
 
 
 class SamplingRequest(RequestBody):
@@ -148,6 +149,10 @@ class SamplingRequest(RequestBody):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def output_constraint(self) -> StructuredOutput | None:
         """The constraint the request names in any of the fields servers define (ValueError: malformed, or

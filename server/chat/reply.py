@@ -42,7 +42,7 @@ class ChatReply:
     def completion(self, outputs: list[CompletionOutput], usage: Usage) -> ChatCompletion:
         choices = []
         for output in outputs:
-            message = self.message(output.text)
+            message = self.message(output.text, output.finish_reason)
             finish_reason = output.finish_reason
             if finish_reason is not None:
                 finish_reason = finish_reason_with_calls(finish_reason, bool(message.tool_calls))
@@ -54,13 +54,15 @@ class ChatReply:
         scored = None if prompt is None else vllm_prompt_logprobs(prompt, self._ctx.token_text)
         return ChatCompletion(**self._envelope, choices=choices, usage=usage, prompt_logprobs=scored)
 
-    def message(self, text: str) -> AssistantMessage:
+    def message(self, text: str, finish_reason: str | None) -> AssistantMessage:
         reasoning = None
         if self._splits_reasoning:
             reasoning, text = split_reasoning(text, self._thinks)
-        reply = read_reply(self._tools, text)
+        reply = read_reply(self._tools, text, finish_reason)
         calls = [ToolCall.model_validate(tool_call_object(call)) for call in reply.tool_calls]
-        return AssistantMessage(content=reply.content, tool_calls=calls or None, reasoning_content=reasoning)
+        return AssistantMessage(
+            content=reply.content, tool_calls=calls or None, reasoning_content=reasoning, reasoning=reasoning
+        )
 
     # ---- ChunkFormatter ----------------------------------------------------------------------------
 
@@ -80,7 +82,7 @@ class ChatReply:
 
     def on_finish(self, choice: int, finish_reason: str) -> list[ChatCompletionChunk]:
         stream = self._stream(choice)
-        chunks = [self._chunk(ChatChunkChoice(index=choice, delta=d)) for d in stream.finish()]
+        chunks = [self._chunk(ChatChunkChoice(index=choice, delta=d)) for d in stream.finish(finish_reason)]
         reason = finish_reason_with_calls(finish_reason, stream.num_calls > 0)
         return [*chunks, self._chunk(ChatChunkChoice(index=choice, delta={}, finish_reason=reason))]
 
@@ -117,12 +119,13 @@ class ChoiceStream:
         thought, answer = self._reasoning.feed(text)
         return self._with_reasoning(thought, self._reply.feed(answer) if answer else [])
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self, finish_reason: str) -> list[dict[str, Any]]:
         if self._reasoning is None:
-            return self._reply.finish()
+            return self._reply.finish(finish_reason)
         thought, answer = self._reasoning.finish()
-        return self._with_reasoning(thought, [*(self._reply.feed(answer) if answer else []), *self._reply.finish()])
+        answered = self._reply.feed(answer) if answer else []
+        return self._with_reasoning(thought, [*answered, *self._reply.finish(finish_reason)])
 
     @staticmethod
     def _with_reasoning(thought: str, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [{"reasoning_content": thought}, *deltas] if thought else deltas
+        return [{"reasoning_content": thought, "reasoning": thought}, *deltas] if thought else deltas
