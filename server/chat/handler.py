@@ -44,7 +44,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     logger.debug(
         "request %s: chat, %d prompt tokens, n=%d, stream=%s", call.request_id, len(prompt), params.n, body.stream
     )
-    reply = ChatReply(ctx, body, tools, thinks)
+    reply = ChatReply(ctx, body, tools, thinks, prompt)
     if body.stream:
         return sse_response(
             sse_events(reply, streams, params.n, record, body.include_usage, body.continuous_usage), streams

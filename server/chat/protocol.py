@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.engine import SamplingParams
@@ -152,6 +152,7 @@ class ChatCompletionRequest(SamplingRequest, ChatPrompt):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     add_special_tokens: bool = False  # vLLM's: the tokenizer's own (a BOS) too, before the template's
+    echo: bool = False  # vLLM's: a reply to a final assistant message starts with that message's text
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -210,11 +211,21 @@ class ChatCompletionRequest(SamplingRequest, ChatPrompt):
     def template_messages(self) -> list[dict[str, Any]]:
         return [message.for_template() for message in self.messages]
 
+    @property
+    def echoed(self) -> str:
+        """What each reply starts with: with echo, the final message's text when it is the assistant's."""
+        last = self.messages[-1]
+        return (last.text or "") if self.echo and last.role == "assistant" else ""
+
     def template_tools(self) -> list[dict[str, Any]] | None:
         return None if not self.tools else [tool.for_template() for tool in self.tools]
 
 
 # ---- answers -------------------------------------------------------------------------------------------
+
+# With vLLM's return_token_ids, answers carry `prompt_token_ids` and their choices `token_ids`: set as extra fields
+# only then, so that no other answer shows them (vLLM's streams send prompt_token_ids in the first chunk only).
+TOKEN_IDS_EXTRA = ConfigDict(extra="allow")
 
 
 class AssistantMessage(BaseModel):
@@ -229,6 +240,8 @@ class AssistantMessage(BaseModel):
 
 
 class ChatChoice(BaseModel):
+    model_config = TOKEN_IDS_EXTRA
+
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
@@ -236,6 +249,8 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletion(BaseModel):
+    model_config = TOKEN_IDS_EXTRA
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -247,6 +262,8 @@ class ChatCompletion(BaseModel):
 
 
 class ChatChunkChoice(BaseModel):
+    model_config = TOKEN_IDS_EXTRA
+
     index: int
     delta: dict[str, Any]  # {"role", "content"} first; then {"content"}, {"reasoning_content", "reasoning"} or
     # {"tool_calls"};
@@ -256,6 +273,8 @@ class ChatChunkChoice(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
+    model_config = TOKEN_IDS_EXTRA
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int

@@ -29,9 +29,14 @@ def finish_reason_with_calls(finish_reason: str, has_calls: bool) -> str:
 class ChatReply:
     """Builds the answer's objects; also the ChunkFormatter for streaming."""
 
-    def __init__(self, ctx: ServingContext, body: ChatCompletionRequest, tools: ToolPlan, thinks: bool) -> None:
+    def __init__(
+        self, ctx: ServingContext, body: ChatCompletionRequest, tools: ToolPlan, thinks: bool, prompt: list[int]
+    ) -> None:
         self._ctx = ctx
         self._n = body.n
+        self._prompt = prompt
+        self._token_ids = body.return_token_ids
+        self._echo = body.echoed
         self._prompt_logprobs = body.prompt_logprobs is not None
         self._tools = tools
         self._thinks = thinks  # the reply starts inside a think block the prompt opened
@@ -47,12 +52,18 @@ class ChatReply:
             if finish_reason is not None:
                 finish_reason = finish_reason_with_calls(finish_reason, bool(message.tool_calls))
             logprobs = self._logprobs(output.logprobs)
+            ids = self._ids(token_ids=output.token_ids)
             choices.append(
-                ChatChoice(index=output.index, message=message, logprobs=logprobs, finish_reason=finish_reason)
+                ChatChoice(index=output.index, message=message, logprobs=logprobs, finish_reason=finish_reason, **ids)
             )
         prompt = outputs[0].prompt_logprobs if self._prompt_logprobs and outputs else None
         scored = None if prompt is None else vllm_prompt_logprobs(prompt, self._ctx.token_text)
-        return ChatCompletion(**self._envelope, choices=choices, usage=usage, prompt_logprobs=scored)
+        ids = self._ids(prompt_token_ids=self._prompt)
+        return ChatCompletion(**self._envelope, choices=choices, usage=usage, prompt_logprobs=scored, **ids)
+
+    def _ids(self, **token_ids: list[int]) -> dict[str, Any]:
+        """Token ids as the answer's extra fields, with return_token_ids."""
+        return token_ids if self._token_ids else {}
 
     def message(self, text: str, finish_reason: str | None) -> AssistantMessage:
         reasoning = None
@@ -60,22 +71,30 @@ class ChatReply:
             reasoning, text = split_reasoning(text, self._thinks)
         reply = read_reply(self._tools, text, finish_reason)
         calls = [ToolCall.model_validate(tool_call_object(call)) for call in reply.tool_calls]
+        content = self._echo + reply.content if reply.content is not None else (self._echo or None)
         return AssistantMessage(
-            content=reply.content, tool_calls=calls or None, reasoning_content=reasoning, reasoning=reasoning
+            content=content, tool_calls=calls or None, reasoning_content=reasoning, reasoning=reasoning
         )
 
     # ---- ChunkFormatter ----------------------------------------------------------------------------
 
     def opening(self) -> Iterable[ChatCompletionChunk]:
         role = {"role": "assistant", "content": ""}
-        return [self._chunk(ChatChunkChoice(index=i, delta=role)) for i in range(self._n)]
+        chunks = [self._chunk(ChatChunkChoice(index=i, delta=role)) for i in range(self._n)]
+        if self._token_ids:  # vLLM's streams: in the first chunk only
+            chunks[0] = ChatCompletionChunk(**chunks[0].model_dump(), **self._ids(prompt_token_ids=self._prompt))
+        if self._echo:
+            chunks += [self._chunk(ChatChunkChoice(index=i, delta={"content": self._echo})) for i in range(self._n)]
+        return chunks
 
     def on_delta(self, choice: int, delta: SequenceDelta) -> list[ChatCompletionChunk]:
         deltas = self._stream(choice).feed(delta.new_text)
         logprobs = self._logprobs(delta.new_logprobs)
-        if logprobs is not None and not deltas:
+        if (logprobs is not None or (self._token_ids and delta.new_token_ids)) and not deltas:
             deltas = [{"content": ""}]  # the text is held back (a possible tool call), its logprobs are not
-        chunks = [self._chunk(ChatChunkChoice(index=choice, delta=d)) for d in deltas]
+        ids = self._ids(token_ids=delta.new_token_ids)
+        chunks = [self._chunk(ChatChunkChoice(index=choice, delta=d, **ids)) for d in deltas[:1]]
+        chunks += [self._chunk(ChatChunkChoice(index=choice, delta=d, **self._ids(token_ids=[]))) for d in deltas[1:]]
         if chunks:
             chunks[0].choices[0].logprobs = logprobs
         return chunks
