@@ -31,6 +31,7 @@ MAX_STOP_TOKEN_IDS = 256  # each one is checked at every token of the request
 MAX_MESSAGES = 4096  # each one costs the chat template a render
 MAX_TIMEOUT_SECONDS = 86400.0
 
+
 def _not_the_whole_vocabulary(count: Any) -> Any:
     """vLLM's -1 asks for every token's logprob (tens of thousands per position): refused, not cut silently."""
     if count == -1 and not isinstance(count, bool):

@@ -155,6 +155,19 @@ class PromptTokenizer:
         with _invalid_text_as_value_error(text):
             return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
+    def render_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[Tool] | None = None,
+        template_kwargs: TemplateKwargs | None = None,
+    ) -> str:
+        """The prompt's text, as encode_chat renders it (llama.cpp's /apply-template)."""
+        return apply_chat_template(
+            self.hf, messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+        )
+
     def encode_chat(
         self,
         messages: list[Message],
