@@ -72,8 +72,12 @@ class LlamaCompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompts_as_llama_cpp_takes_them(cls, prompt: Any) -> Any:
+        if isinstance(prompt, dict) and set(prompt) == {"prompt_string"}:
+            prompt = prompt["prompt_string"]  # the object form without multimodal data is its text
+        if isinstance(prompt, list):
+            prompt = [p["prompt_string"] if isinstance(p, dict) and set(p) == {"prompt_string"} else p for p in prompt]
         if isinstance(prompt, dict):
-            raise unsupported("a JSON object prompt (multimodal data) is not supported: only text is")
+            raise unsupported("a JSON object prompt with multimodal data is not supported: only text is")
         if (
             isinstance(prompt, list)
             and any(isinstance(p, int) for p in prompt)
