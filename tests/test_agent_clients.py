@@ -73,7 +73,7 @@ def test_langgraph_agent_calls_a_tool_and_answers_from_it(url: str) -> None:
     kinds = [type(message).__name__ for message in result["messages"]]
     assert kinds == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage"], kinds
     call = result["messages"][1].tool_calls[0]
-    assert call["name"] == "get_weather" and CALLS == [call["args"]["city"]]
+    assert call["name"] == "get_weather" and [call["args"]["city"]] == CALLS
     assert result["messages"][2].tool_call_id == call["id"]
     answer = result["messages"][3]
     assert not answer.tool_calls and answer.content and answer.response_metadata["finish_reason"] in ("stop", "length")
