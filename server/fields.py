@@ -26,7 +26,6 @@ SHARED: dict[str, Refusal] = {
     "length_penalty": ((1, 1.0), "length_penalty applies to beam search, which is not supported"),
     "spaces_between_special_tokens": ((True,), "only the default (true) is supported"),
     "truncate_prompt_tokens": ((), "prompts are never truncated: a prompt over the context is refused"),
-    "allowed_token_ids": ((), "use logit_bias"),
     "bad_words": ((), "use logit_bias"),
     "guided_whitespace_pattern": ((), "JSON is written compactly, as json.dumps writes it"),
     "structural_tag": ((), "structural tags are not supported; use tools or response_format"),

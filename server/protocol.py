@@ -56,6 +56,7 @@ _SAMPLING_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "allowed_token_ids",
     "ignore_eos",
     "min_tokens",
     "skip_special_tokens",
@@ -112,6 +113,7 @@ class SamplingRequest(RequestBody):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None  # vLLM's: special tokens left out of the text (default true)

@@ -200,3 +200,22 @@ def test_the_whole_vocabulary_of_logprobs_is_refused_on_purpose(url: str) -> Non
     assert_error(
         httpx.post(f"{url}/v1/completions", json=scoring, timeout=60), 400, "unsupported_parameter", "prompt_logprobs"
     )
+
+
+def test_allowed_token_ids(client: openai.OpenAI, url: str, smol_loaded: LoadedModel) -> None:
+    allowed = smol_loaded.tokenizer.encode(" yes no maybe", add_special_tokens=False)
+    answer = client.completions.create(
+        model=MODEL, prompt="Is Paris in France?", max_tokens=6, extra_body={"allowed_token_ids": allowed}
+    )
+    assert set(smol_loaded.tokenizer.encode(answer.choices[0].text, add_special_tokens=False)) <= set(allowed)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=4, temperature=0, extra_body={"allowed_token_ids": allowed}
+    )
+    assert set(smol_loaded.tokenizer.encode(chat.choices[0].message.content or "", add_special_tokens=False)) <= set(
+        allowed
+    )
+    for bad in ([], [10**6], [-1]):
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "allowed_token_ids": bad}
+        assert_error(
+            httpx.post(f"{url}/v1/completions", json=body, timeout=60), 400, "invalid_value", "allowed_token_ids"
+        )
