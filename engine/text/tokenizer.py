@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.engine.text.chat_tokens import Message, MessageTextGuard
@@ -72,14 +73,17 @@ def apply_chat_template(
         raise ValueError("this model's tokenizer has no chat template; use the completions API instead")
     chat_template = tokenizer.get_chat_template(tools=tools or None)  # a model may keep a template for tool use
     template_messages, template_tools = messages_and_tools_for_template(chat_template, messages, tools)
-    text = tokenizer.apply_chat_template(
-        template_messages,
-        tools=template_tools,  # type: ignore[arg-type]  # dicts of str keys are what transformers takes
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        **check_template_kwargs(tokenizer, template_kwargs or {}),
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            template_messages,
+            tools=template_tools,  # type: ignore[arg-type]  # dicts of str keys are what transformers takes
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **check_template_kwargs(tokenizer, template_kwargs or {}),
+        )
+    except jinja2.TemplateError as exc:  # the template's own raise_exception: a role it does not know, ...
+        raise ValueError(f"this model's chat template refused the messages: {exc}") from None
     assert isinstance(text, str)
     return text
 
