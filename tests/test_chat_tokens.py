@@ -97,3 +97,17 @@ def test_a_template_that_refuses_the_messages_is_a_value_error(smol_dir: Path) -
     chatml = load_tokenizer(smol_dir)
     text = chatml.decode(PromptTokenizer(chatml).encode_chat([{"role": "observation", "content": "It rains."}]))
     assert "<|im_start|>observation\nIt rains.<|im_end|>" in text
+
+
+def test_add_special_tokens_puts_the_tokenizers_own_around_the_template(smol_dir: Path) -> None:
+    """vLLM's add_special_tokens on chat: the prompt as `encode(rendered, add_special_tokens=True)` gives it."""
+    with_bos = load_tokenizer(smol_dir)
+    with_bos.add_bos_token = True  # a tokenizer that adds a BOS of its own (Llama's, Zephyr's)
+    messages = [{"role": "user", "content": "Hi"}]
+    rendered = apply_chat_template(with_bos, messages)
+    tokenizer = PromptTokenizer(with_bos)
+    assert tokenizer.encode_chat(messages, add_special_tokens=True) == with_bos.encode(rendered)
+    assert tokenizer.encode_chat(messages) == with_bos.encode(rendered, add_special_tokens=False)
+    assert (
+        with_bos.encode(rendered)[0] == with_bos.bos_token_id != with_bos.encode(rendered, add_special_tokens=False)[0]
+    )
