@@ -66,7 +66,11 @@ async def apply_template(body: ApplyTemplateRequest, request: Request) -> ApplyT
     messages = [message.for_template() for message in body.messages]
     try:
         prompt = engine.tokenizer.render_chat(
-            messages, body.add_generation_prompt, body.continue_final_message, body.tools, body.chat_template_kwargs
+            messages,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.template_tools(),
+            body.chat_template_kwargs,
         )
     except ValueError as exc:
         raise to_api_error(exc, "messages") from exc

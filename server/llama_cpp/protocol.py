@@ -9,15 +9,16 @@ biases given as text, post-sampling probabilities, sampler order, slots, LoRA.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.engine import SamplingParams
 from pagedserve.server import fields
 from pagedserve.server.chat.protocol import ChatPrompt, Messages
 from pagedserve.server.protocol import SamplingRequest, TopLogprobs, unsupported
+from pagedserve.server.tools import MAX_TOOLS, ToolDefinition
 
 BAN = -100.0  # llama.cpp's `false` bias: never sampled (OpenAI's -100 bans a token)
 LlamaPrompt = str | list[int] | list[str | list[int]]
@@ -63,7 +64,8 @@ class LlamaCompletionRequest(SamplingRequest):
     seed: int = -1  # -1: a random seed
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
-    logit_bias: Any = None  # type: ignore[assignment]  # {"id": bias} or [[id, bias]], bias false = a ban
+    # {"id": bias} or [[id, bias]], a bias of false bans the token
+    logit_bias: dict[str, float | bool] | list[list[int | str | float | bool]] | None = None  # type: ignore[assignment]
     n_probs: TopLogprobs = 0
     return_tokens: bool = False
     response_fields: list[str] | None = None
@@ -157,7 +159,10 @@ class LlamaCompletionRequest(SamplingRequest):
 
 class ApplyTemplateRequest(ChatPrompt):
     messages: Messages
-    tools: list[Any] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return None if not self.tools else [tool.for_template() for tool in self.tools]
 
 
 class ApplyTemplateResponse(BaseModel):
