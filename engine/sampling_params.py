@@ -118,6 +118,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's); None: any token
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -133,6 +134,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = sorted(set(self.allowed_token_ids))
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if self.top_k == -1:
             self.top_k = 0
@@ -171,6 +174,11 @@ class SamplingParams:
             raise ValueError("stop must hold non-empty strings")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            _check("allowed_token_ids", allowed, bool(allowed), "a non-empty list of token ids")
+            bad_allowed = next((t for t in allowed if not 0 <= t <= MAX_INT32), None)
+            _check("allowed_token_ids", bad_allowed, bad_allowed is None, "a list of token ids")
         bad_stop = next((t for t in self.stop_token_ids if not 0 <= t <= MAX_INT32), None)
         _check("stop_token_ids", bad_stop, bad_stop is None, "a list of token ids")
         _check("seed", self.seed, self.seed is None or 0 <= self.seed < 2**63, "in [0, 2**63)")
@@ -183,7 +191,12 @@ class SamplingParams:
     def jumps_forward(self) -> bool:
         """Tokens a constraint forces may be appended without a forward pass each: the greedy choice is the
         forced token whatever the logits, and no logprobs are asked for (they would need the logits)."""
-        return self.structured_output is not None and self.is_greedy and self.logprobs is None
+        return (
+            self.structured_output is not None
+            and self.is_greedy
+            and self.logprobs is None
+            and self.allowed_token_ids is None  # a forced token must still be an allowed one
+        )
 
     @property
     def needs_penalties(self) -> bool:
@@ -191,7 +204,8 @@ class SamplingParams:
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Token ids named by the request must exist in the model's vocabulary."""
-        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+        named = (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids))
+        for name, ids in (*named, ("allowed_token_ids", self.allowed_token_ids or [])):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} names token id {bad[0]}, outside the vocabulary (size {vocab_size})")

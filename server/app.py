@@ -10,6 +10,7 @@ from pagedserve.server.chat import handler as chat
 from pagedserve.server.completions import handler as completions
 from pagedserve.server.context import VERSION, ServerSettings, ServingContext
 from pagedserve.server.errors import install_error_handlers
+from pagedserve.server.llama_cpp import handler as llama_cpp
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.middleware import (
     OPEN_PATHS,
@@ -20,6 +21,7 @@ from pagedserve.server.middleware import (
 )
 from pagedserve.server.responses import handler as responses
 from pagedserve.server.service import handler as service
+from pagedserve.server.tokenization import handler as tokenization
 from pagedserve.server.web_page import page_paths, web_page_router
 
 
@@ -31,7 +33,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     engine.add_observer(metrics)
     app.state.serving = ServingContext(engine, settings, metrics)
     install_error_handlers(app)
-    for module in (chat, completions, responses, service):
+    for module in (chat, completions, responses, service, tokenization, llama_cpp):
         app.include_router(module.router)
     if settings.web_page:
         app.include_router(web_page_router())

@@ -47,7 +47,8 @@ _HTTP_CODES = {
     413: "request_too_large",
 }
 _FIELD_AT_START = re.compile(r"^([a-z_]+) ")
-_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# Fields the engine's messages may start with: the sampling parameters, and the chat template's switches.
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {"chat_template_kwargs"}
 
 
 class FieldError(ValueError):

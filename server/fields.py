@@ -26,14 +26,12 @@ SHARED: dict[str, Refusal] = {
     "length_penalty": ((1, 1.0), "length_penalty applies to beam search, which is not supported"),
     "spaces_between_special_tokens": ((True,), "only the default (true) is supported"),
     "truncate_prompt_tokens": ((), "prompts are never truncated: a prompt over the context is refused"),
-    "allowed_token_ids": ((), "use logit_bias"),
     "bad_words": ((), "use logit_bias"),
     "guided_whitespace_pattern": ((), "JSON is written compactly, as json.dumps writes it"),
     "structural_tag": ((), "structural tags are not supported; use tools or response_format"),
     "priority": ((0,), "requests are served in arrival order"),
     "logits_processors": ((), "custom logits processors are not supported"),
     "return_tokens_as_token_ids": ((False,), "not supported"),
-    "return_token_ids": ((False,), "not supported; /tokenize gives a prompt's ids"),
     "cache_salt": ((), "not supported: the prefix cache is shared by all requests"),
     "kv_transfer_params": ((), "disaggregated prefill is not supported"),
     "vllm_xargs": ((), "not supported"),
@@ -59,18 +57,14 @@ CHAT: dict[str, Refusal] = {
     "reasoning_effort": ((), "reasoning_effort is not supported by this model"),
     "verbosity": ((), "verbosity is not supported by this model"),
     "web_search_options": ((), "web search is not supported"),
-    "echo": ((False,), "echo is supported on /v1/completions only"),
     "best_of": ((1,), "use n"),
     "chat_template": ((), "a client's chat template is not accepted: the model's own is used"),
-    "chat_template_kwargs": (({},), "not supported"),
     "documents": ((), "not supported"),
     "include_reasoning": ((), "not supported"),
-    "add_special_tokens": ((False,), "the chat template places the special tokens"),
 }
 
 COMPLETIONS: dict[str, Refusal] = {
     **SHARED,
-    "add_special_tokens": ((True,), "prompts are always encoded with the tokenizer's special tokens"),
 }
 
 # Defined by OpenAI (or vLLM) and accepted: none of them changes the output.

@@ -66,7 +66,11 @@ def echoed_prompt_logprobs(
 
 
 def _top_dict(token_text: TokenText, item: TokenLogprob) -> dict[str, float]:
-    return {token_text(token_id): _finite(logprob) for token_id, logprob in item.top}
+    """The top k and the token itself, as OpenAI's completions give them ("the API will always return the logprob
+    of the sampled token, so there may be up to logprobs+1 elements"): with logprobs 0, the token alone."""
+    top = {token_text(token_id): _finite(logprob) for token_id, logprob in item.top}
+    top.setdefault(token_text(item.token_id), _finite(item.logprob))
+    return top
 
 
 def _offsets(tokens: list[str], start: int) -> list[int]:

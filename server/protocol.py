@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.engine import SamplingParams, StructuredOutput
@@ -31,7 +31,16 @@ MAX_STOP_TOKEN_IDS = 256  # each one is checked at every token of the request
 MAX_MESSAGES = 4096  # each one costs the chat template a render
 MAX_TIMEOUT_SECONDS = 86400.0
 
-TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+
+def _not_the_whole_vocabulary(count: Any) -> Any:
+    """vLLM's -1 asks for every token's logprob (tens of thousands per position): refused, not cut silently."""
+    if count == -1 and not isinstance(count, bool):
+        message = "-1 (the whole vocabulary) is not supported: ask for at most {most}"
+        raise PydanticCustomError("unsupported_parameter", message, {"most": MAX_TOP_LOGPROBS})
+    return count
+
+
+TopLogprobs = Annotated[int, BeforeValidator(_not_the_whole_vocabulary), Field(ge=0, le=MAX_TOP_LOGPROBS)]
 Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False)]
 
 # Fields passed to SamplingParams as they are, when the client sets them.
@@ -47,6 +56,7 @@ _SAMPLING_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "allowed_token_ids",
     "ignore_eos",
     "min_tokens",
     "skip_special_tokens",
@@ -74,6 +84,7 @@ class RequestBody(BaseModel):
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far in every chunk too
 
 
 class SamplingRequest(RequestBody):
@@ -102,6 +113,7 @@ class SamplingRequest(RequestBody):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None  # vLLM's: special tokens left out of the text (default true)
@@ -111,6 +123,7 @@ class SamplingRequest(RequestBody):
     user: str | None = None  # accepted and ignored
     timeout: Seconds | None = None  # the longest this request may wait to be scheduled (then 408)
     prompt_logprobs: TopLogprobs | None = None  # vLLM's: logprobs of the prompt's tokens, with the top k
+    return_token_ids: bool = False  # vLLM's: the prompt's and the choices' token ids in the answer
     # Output constraints (server/response_format.py): OpenAI's, vLLM's and llama.cpp's names; at most one.
     response_format: ResponseFormat | None = None
     structured_outputs: VllmStructuredOutputs | None = None
@@ -148,6 +161,10 @@ class SamplingRequest(RequestBody):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def output_constraint(self) -> StructuredOutput | None:
         """The constraint the request names in any of the fields servers define (ValueError: malformed, or

@@ -69,11 +69,20 @@ def sse_response(events: AsyncIterator[Event], streams: Streams) -> EventSourceR
 
 
 async def sse_events(
-    formatter: ChunkFormatter, streams: Streams, n: int, record: RequestRecord, include_usage: bool
+    formatter: ChunkFormatter,
+    streams: Streams,
+    n: int,
+    record: RequestRecord,
+    include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[Event]:
+    """`continuous_usage` (vLLM's continuous_usage_stats): every chunk carries the usage so far, not only the
+    last one."""
     exclude = None if include_usage else {"usage"}  # OpenAI sends "usage": null only when asked for usage
 
     def event(chunk: BaseModel) -> Event:
+        if continuous_usage:
+            chunk.usage = record.usage()  # type: ignore[attr-defined]  # chat and completions chunks have usage
         return {"data": chunk.model_dump_json(exclude=exclude)}
 
     for chunk in formatter.opening():

@@ -6,8 +6,10 @@
 - `required`: a grammar forces a JSON array of one call or more (one when parallel_tool_calls is false), each
   `{"name": <a tool's name>, "parameters": <arguments matching its schema>}`, as vLLM does.
 - a named function: a grammar forces the arguments of that function, which are the whole reply.
-Forced calls always parse and match their schema. Parameter schemas are checked like response formats
-(server/schema_checks.py): their depth, and $ref loops no finite value gets through.
+Forced calls always parse and match their schema, unless max_tokens cuts them short: then the reply has no
+tool_calls, its text is the content and finish_reason is "length" (vLLM's answer), streamed or not. Parameter
+schemas are checked like response formats (server/schema_checks.py): their depth, and $ref loops no finite value
+gets through.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ class ToolPlan:
     @property
     def calls_tools(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def forces_calls(self) -> bool:
+        return self.mode in ("required", "named")
 
 
 def plan_tools(
@@ -217,8 +223,11 @@ def tool_call_object(call: ParsedToolCall) -> dict[str, Any]:
     return {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def read_reply(plan: ToolPlan, text: str) -> ParsedReply:
-    """The content and calls of a whole reply."""
+def read_reply(plan: ToolPlan, text: str, finish_reason: str | None = None) -> ParsedReply:
+    """The content and calls of a whole reply. A forced call cut short by max_tokens (finish_reason "length") is
+    no call: its text is the content, as vLLM answers it, so that a client never runs a partial call."""
+    if plan.forces_calls and finish_reason == "length":
+        return ParsedReply(text)
     if plan.mode == "named":
         assert plan.function_name is not None
         return ParsedReply(None, [ParsedToolCall(plan.function_name, text)])
@@ -229,31 +238,36 @@ def read_reply(plan: ToolPlan, text: str) -> ParsedReply:
 
 class ReplyStream:
     """One streamed choice's text turned into chat delta objects: content, then tool calls as OpenAI streams
-    them (index, id, type and name first, then argument fragments)."""
+    them (index, id, type and name first, then argument fragments).
+
+    A forced call (required, named) is held back until the reply ends, then sent whole: the reply may yet be cut
+    by max_tokens, and a cut call is content (read_reply), streamed or not."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self._plan = plan
-        self._calls: ToolCallStream | None = plan.parser.stream() if plan.parser is not None else None
+        forced = plan.forces_calls
+        self._calls: ToolCallStream | None = plan.parser.stream() if plan.parser is not None and not forced else None
+        self._held: list[str] | None = [] if forced else None
         self.num_calls = 0
 
     def feed(self, text: str) -> list[dict[str, Any]]:
-        if self._plan.mode == "named":
-            return self._named(text)
+        if self._held is not None:
+            self._held.append(text)
+            return []
         if self._calls is None:
             return [{"content": text}] if text else []
         return self._deltas(self._calls.feed(text))
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self, finish_reason: str | None = None) -> list[dict[str, Any]]:
+        if self._held is not None:
+            return self._whole(read_reply(self._plan, "".join(self._held), finish_reason))
         return [] if self._calls is None else self._deltas(self._calls.finish())
 
-    def _named(self, text: str) -> list[dict[str, Any]]:
-        deltas = []
-        if self.num_calls == 0:
-            assert self._plan.function_name is not None
-            deltas += self._deltas([ToolCallStart(0, self._plan.function_name)])
-        if text:
-            deltas += self._deltas([ToolArgumentsDelta(0, text)])
-        return deltas
+    def _whole(self, reply: ParsedReply) -> list[dict[str, Any]]:
+        events: list[StreamEvent] = [ContentDelta(reply.content)] if reply.content else []
+        for index, call in enumerate(reply.tool_calls):
+            events += [ToolCallStart(index, call.name), ToolArgumentsDelta(index, call.arguments)]
+        return self._deltas(events)
 
     def _deltas(self, events: list[StreamEvent]) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []

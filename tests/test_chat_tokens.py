@@ -82,3 +82,30 @@ def test_text_that_is_not_unicode_is_a_value_error(hf: PreTrainedTokenizerBase) 
         tokenizer.encode("a\ud800b")
     with pytest.raises(ValueError, match="not valid Unicode"):
         tokenizer.encode_chat([{"role": "user", "content": "\udfff"}])
+
+
+def test_a_template_that_refuses_the_messages_is_a_value_error(smol_dir: Path) -> None:
+    """A template's raise_exception (an unknown role, turns that do not alternate) is the client's error (400),
+    not a crash; a template that renders any role takes a custom one as it is."""
+    strict = load_tokenizer(smol_dir)
+    strict.chat_template = (
+        "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
+        "{{ raise_exception('Unknown role: ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"
+    )
+    with pytest.raises(ValueError, match="refused the messages: Unknown role: observation"):
+        PromptTokenizer(strict).encode_chat([{"role": "observation", "content": "It rains."}])
+    chatml = load_tokenizer(smol_dir)
+    text = chatml.decode(PromptTokenizer(chatml).encode_chat([{"role": "observation", "content": "It rains."}]))
+    assert "<|im_start|>observation\nIt rains.<|im_end|>" in text
+
+
+def test_add_special_tokens_puts_the_tokenizers_own_around_the_template(smol_dir: Path) -> None:
+    """vLLM's add_special_tokens on chat: the prompt as `encode(rendered, add_special_tokens=True)` gives it."""
+    with_bos = load_tokenizer(smol_dir)
+    with_bos.add_bos_token = True  # a tokenizer that adds a BOS of its own (Llama's, Zephyr's)
+    messages = [{"role": "user", "content": "Hi"}]
+    rendered = apply_chat_template(with_bos, messages)
+    tokenizer = PromptTokenizer(with_bos)
+    assert tokenizer.encode_chat(messages, add_special_tokens=True) == with_bos.encode(rendered)
+    assert tokenizer.encode_chat(messages) == with_bos.encode(rendered, add_special_tokens=False)
+    assert len(with_bos.encode(rendered)) == len(with_bos.encode(rendered, add_special_tokens=False)) + 1

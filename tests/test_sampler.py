@@ -79,3 +79,15 @@ def test_logprobs_are_a_distribution() -> None:
     assert math.isclose(sum(math.exp(lp) for _, lp in entry.top), 1.0, rel_tol=1e-5)
     assert [t for t, _ in entry.top][:2] == [0, 1]
     assert math.isclose(entry.logprob, entry.top[0][1])
+
+
+def test_allowed_token_ids_keep_only_those_tokens_in_their_row() -> None:
+    restricted = request([1], allowed_token_ids=[5, 3, 3], temperature=0)
+    free = request([1], temperature=0)
+    rows = logits([0, 9, 0, 1, 0, 2, 0, 0], [0, 9, 0, 1, 0, 2, 0, 0])
+    out = apply_logit_processors(rows, [restricted, free])
+    assert out[0].tolist() == [-math.inf, -math.inf, -math.inf, 1, -math.inf, 2, -math.inf, -math.inf]
+    assert out[1].tolist() == rows[1].tolist()
+    assert Sampler()(rows, [restricted, free]).token_ids == [5, 1]
+    drawn = {Sampler()(rows, [request([1], allowed_token_ids=[3, 5], seed=s)]).token_ids[0] for s in range(20)}
+    assert drawn <= {3, 5}

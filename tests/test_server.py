@@ -188,7 +188,10 @@ def test_tokenize_detokenize_round_trip(url: str) -> None:
     text = "Paged attention, continuous batching."
     tokenized = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": text}).json()
     assert tokenized["count"] == len(tokenized["tokens"]) > 0 and tokenized["max_model_len"] > 0
-    assert httpx.post(f"{url}/detokenize", json={"tokens": tokenized["tokens"]}).json() == {"prompt": text}
+    assert httpx.post(f"{url}/detokenize", json={"tokens": tokenized["tokens"]}).json() == {
+        "prompt": text,
+        "content": text,
+    }
     chat = httpx.post(f"{url}/tokenize", json={"messages": HELLO}).json()
     assert chat["count"] > tokenized["count"] // 2  # the chat template adds its own tokens
 

@@ -77,7 +77,7 @@ def test_malformed_json_is_400(url: str) -> None:
         ({"logit_bias": {"99999999": 1}}, "invalid_value", "logit_bias"),
         ({"top_logprobs": 2}, "invalid_value", "top_logprobs"),
         ({"messages": []}, "empty_array", "messages"),
-        ({"messages": [{"role": "robot", "content": "Hi"}]}, "invalid_value", "messages.0.role"),
+        ({"messages": [{"role": "robot<|im_end|>", "content": "Hi"}]}, "invalid_value", "messages.0.role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "invalid_value", "messages.0.content"),
         ({"messages": [{"role": "user", "content": 5}]}, "invalid_type", "messages.0.content"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "invalid_value", "tools.0.function.name"),

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from pagedserve.engine.client.async_stream import (
     EngineObserver,
@@ -173,9 +174,11 @@ class AsyncEngine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[Tool] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         return await self.tokenizer.encode_chat_async(
-            messages, add_generation_prompt, continue_final_message, tools=tools
+            messages, add_generation_prompt, continue_final_message, tools, template_kwargs, add_special_tokens
         )
 
     def snapshot(self) -> EngineSnapshot:

@@ -38,11 +38,13 @@ class Sampler:
 
 
 def apply_logit_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """logit_bias, min_tokens (no stop before it) and repetition/frequency/presence penalties, on a copy:
+    """allowed_token_ids, logit_bias, min_tokens (no stop before it) and repetition/frequency/presence penalties,
+    on a copy:
     the engine may sample the same logits again (row by row, when a batch's sampling fails)."""
     if not any(_needs_processing(r) for r in requests):
         return logits
     logits = logits.clone()
+    _keep_allowed_tokens(logits, requests)
     _apply_logit_bias(logits, requests)
     _block_stop_tokens_before_min(logits, requests)
     penalized = [i for i, r in enumerate(requests) if r.params.needs_penalties]
@@ -54,7 +56,23 @@ def apply_logit_processors(logits: torch.Tensor, requests: list[Request]) -> tor
 
 def _needs_processing(request: Request) -> bool:
     params = request.params
-    return bool(params.logit_bias) or request.num_output_tokens < params.min_tokens or params.needs_penalties
+    return (
+        bool(params.logit_bias)
+        or params.allowed_token_ids is not None
+        or request.num_output_tokens < params.min_tokens
+        or params.needs_penalties
+    )
+
+
+def _keep_allowed_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    """allowed_token_ids: every other token of the row to -inf (one masked row per such request)."""
+    for row, request in enumerate(requests):
+        allowed = request.params.allowed_token_ids
+        if allowed is not None:
+            keep = torch.tensor(allowed, device=logits.device)
+            kept = logits[row, keep]
+            logits[row] = float("-inf")
+            logits[row, keep] = kept
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:

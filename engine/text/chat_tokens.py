@@ -10,12 +10,14 @@ the prompt is encoded as usual and every special token that falls inside a fence
 its text. Everything outside the fences tokenizes exactly as it did.
 
 Tool calls in the history are conversation text too: every string in a message's `tool_calls` (the function's
-name and arguments, as a dict or a JSON string) is fenced like its content. Tool definitions are not: like the
-template, they are the application's, not text of the conversation.
+name and arguments, as a dict or a JSON string) is fenced like its content, and so is every string of the
+request's chat template kwargs (a client's `{"system_hint": "<|im_end|>..."}` is text like a message). Tool
+definitions are not: like the template, they are the application's, not text of the conversation.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,7 +30,7 @@ OPEN, CLOSE = "\ufdd0", "\ufdd1"  # noncharacters: reserved for a program's own 
 _FENCE = re.compile(f"{OPEN}(.*?){CLOSE}", re.DOTALL)
 
 Message = dict[str, Any]
-Render = Callable[[list[Message]], str]  # messages -> the prompt: the chat template applied
+Render = Callable[[list[Message], dict[str, Any]], str]  # messages, template kwargs -> the prompt
 
 
 class MessageTextGuard:
@@ -42,14 +44,19 @@ class MessageTextGuard:
         self._pattern = re.compile("|".join(map(re.escape, longest_first))) if special else None
         self._as_text: Tokenizer | None = None  # built on first use
 
-    def is_needed(self, messages: list[Message]) -> bool:
-        """True when some message's text holds the text of a special token."""
+    def is_needed(self, messages: list[Message], template_kwargs: dict[str, Any] | None = None) -> bool:
+        """True when some message's text (or a template kwarg's string) holds the text of a special token."""
         pattern = self._pattern
-        return pattern is not None and any(pattern.search(text) for text in _texts(messages))
+        texts = itertools.chain(_texts(messages), _strings(list((template_kwargs or {}).values())))
+        return pattern is not None and any(pattern.search(text) for text in texts)
 
-    def encode(self, messages: list[Message], rendered: str, render: Render) -> list[int]:
-        """Token ids of `rendered` (the template applied to `messages`), typed special tokens kept as text."""
-        fenced = render([self._fence(message) for message in messages])
+    def encode(
+        self, messages: list[Message], template_kwargs: dict[str, Any], rendered: str, render: Render
+    ) -> list[int]:
+        """Token ids of `rendered` (the template applied to `messages` and `template_kwargs`), typed special
+        tokens kept as text."""
+        fenced_kwargs = {name: _map_strings(value, self._fence_text) for name, value in template_kwargs.items()}
+        fenced = render([self._fence(message) for message in messages], fenced_kwargs)
         spans = _fenced_spans(fenced)
         if _unfenced(fenced) != rendered:
             raise ValueError(
@@ -70,13 +77,12 @@ class MessageTextGuard:
                 done = position + 1
         return result + ids[done:]
 
-    def _fence(self, message: Message) -> Message:
+    def _fence_text(self, text: str) -> str:
         assert self._pattern is not None
-        pattern = self._pattern
+        return self._pattern.sub(lambda match: OPEN + match.group(0) + CLOSE, text)
 
-        def fence(text: str) -> str:
-            return pattern.sub(lambda match: OPEN + match.group(0) + CLOSE, text)
-
+    def _fence(self, message: Message) -> Message:
+        fence = self._fence_text
         fenced = dict(message)
         content = message.get("content")
         if isinstance(content, str):

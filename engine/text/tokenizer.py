@@ -11,15 +11,26 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.engine.text.chat_tokens import Message, MessageTextGuard
 from pagedserve.engine.text.tool_template import Tool, messages_and_tools_for_template
 
 T = TypeVar("T")
+TemplateKwargs = dict[str, Any]  # a chat template's own switches: {"enable_thinking": False}
+# apply_chat_template's parameters and the names it gives the template itself: never a client's to set.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        *("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt"),
+        *("continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors"),
+        *("return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception", "strftime_now"),
+    }
+)
 INLINE_MAX_CHARS = 4096
 TOKEN_TEXT_CACHE = 1 << 16  # token texts kept: the same few thousand tokens come back all the time
 MESSAGE_WEIGHT_CHARS = 64  # a message's cost to render, counted as this many characters of text
+WRAPPING_PROBE = "hello"
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -50,25 +61,42 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     tools: list[Tool] | None = None,
+    template_kwargs: TemplateKwargs | None = None,
 ) -> str:
     """The prompt for `messages`; with continue_final_message, the last message is left open to be continued.
 
     `tools` (OpenAI tool definitions) go to templates that render tools; other templates get them, and any tool
-    calls and results in the history, as text in the messages (tool_template).
+    calls and results in the history, as text in the messages (tool_template). `template_kwargs` are the
+    template's own switches (`enable_thinking`, ...), checked by `check_template_kwargs`.
     """
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; use the completions API instead")
     chat_template = tokenizer.get_chat_template(tools=tools or None)  # a model may keep a template for tool use
     template_messages, template_tools = messages_and_tools_for_template(chat_template, messages, tools)
-    text = tokenizer.apply_chat_template(
-        template_messages,
-        tools=template_tools,  # type: ignore[arg-type]  # dicts of str keys are what transformers takes
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            template_messages,
+            tools=template_tools,  # type: ignore[arg-type]  # dicts of str keys are what transformers takes
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **check_template_kwargs(tokenizer, template_kwargs or {}),
+        )
+    except jinja2.TemplateError as exc:  # the template's own raise_exception: a role it does not know, ...
+        raise ValueError(f"this model's chat template refused the messages: {exc}") from None
     assert isinstance(text, str)
     return text
+
+
+def check_template_kwargs(tokenizer: PreTrainedTokenizerBase, kwargs: TemplateKwargs) -> TemplateKwargs:
+    """`kwargs` as they may reach a chat template, or ValueError: a name that is one of apply_chat_template's own
+    parameters (the request has a field for each) or one of the tokenizer's special tokens (the template's
+    `bos_token` is the tokenizer's, not a client's) is refused. Names the template never reads change nothing."""
+    reserved = RESERVED_TEMPLATE_NAMES | set(tokenizer.special_tokens_map)
+    taken = sorted(name for name in kwargs if name in reserved or not name.isidentifier())
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: it is not a template switch")
+    return kwargs
 
 
 class PromptTokenizer:
@@ -109,6 +137,21 @@ class PromptTokenizer:
         """One token's text, as decode gives it (cached)."""
         return self._token_texts(token_id)
 
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """The tokens' own strings in the vocabulary (byte-level pieces like 'Ġworld'), not their text."""
+        strings = self.hf.convert_ids_to_tokens(list(token_ids))
+        assert isinstance(strings, list)
+        return strings
+
+    def info(self) -> dict[str, Any]:
+        """The tokenizer's class and configuration as JSON (vLLM's /tokenizer_info); local file paths left out."""
+        config = {k: v for k, v in self.hf.init_kwargs.items() if not k.endswith(("_file", "name_or_path"))}
+        added = {str(index): vars_of(token) for index, token in self.hf.added_tokens_decoder.items()}
+        info = {"tokenizer_class": type(self.hf).__name__, **config, "added_tokens_decoder": added}
+        info["chat_template"] = self.hf.chat_template
+        info["model_max_length"] = self.hf.model_max_length
+        return json_safe(info)
+
     def _one_token_text(self, token_id: int) -> str:
         return self.decode([token_id])
 
@@ -116,26 +159,59 @@ class PromptTokenizer:
         with _invalid_text_as_value_error(text):
             return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
+    def render_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[Tool] | None = None,
+        template_kwargs: TemplateKwargs | None = None,
+    ) -> str:
+        """The prompt's text, as encode_chat renders it (llama.cpp's /apply-template)."""
+        return apply_chat_template(
+            self.hf, messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+        )
+
     def encode_chat(
         self,
         messages: list[Message],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[Tool] | None = None,
+        template_kwargs: TemplateKwargs | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """The chat template applied, then tokenized; special tokens typed in messages stay text (chat_tokens)."""
-        render = functools.partial(
-            apply_chat_template,
-            self.hf,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tools=tools,
-        )
-        text = render(messages)
+        """The chat template applied, then tokenized; special tokens typed in messages (or in the strings of
+        `template_kwargs`) stay text (chat_tokens). The template places the special tokens; `add_special_tokens`
+        adds the tokenizer's own around them too, as `encode(prompt, add_special_tokens=True)` does."""
+
+        def render(messages: list[Message], template_kwargs: TemplateKwargs) -> str:
+            return apply_chat_template(
+                self.hf, messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+            )
+
+        kwargs = template_kwargs or {}
+        text = render(messages, kwargs)
         with _invalid_text_as_value_error(text):
-            if self._guard is not None and self._guard.is_needed(messages):
-                return self._guard.encode(messages, text, render)
-            return self.hf.encode(text, add_special_tokens=False)
+            if self._guard is not None and self._guard.is_needed(messages, kwargs):
+                ids = self._guard.encode(messages, kwargs, text, render)
+            else:
+                ids = self.hf.encode(text, add_special_tokens=False)
+        if add_special_tokens:
+            prefix, suffix = self._special_wrapping
+            ids = [*prefix, *ids, *suffix]
+        return ids
+
+    @functools.cached_property
+    def _special_wrapping(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer puts before and after a text's own when asked for its special tokens (a BOS,
+        usually): found around a one-word text, as they do not depend on the text."""
+        plain = self.hf.encode(WRAPPING_PROBE, add_special_tokens=False)
+        wrapped = self.hf.encode(WRAPPING_PROBE, add_special_tokens=True)
+        for start in range(len(wrapped) - len(plain) + 1):
+            if wrapped[start : start + len(plain)] == plain:
+                return wrapped[:start], wrapped[start + len(plain) :]
+        return [], []
 
     async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._off_loop(len(text), self.encode, text, add_special_tokens)
@@ -146,17 +222,44 @@ class PromptTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[Tool] | None = None,
+        template_kwargs: TemplateKwargs | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         size = sum(len(str(message.get("content") or "")) + MESSAGE_WEIGHT_CHARS for message in messages)
         size += len(json.dumps(tools)) if tools else 0  # tool definitions are prompt text too, often kilobytes
+        size += len(json.dumps(template_kwargs)) if template_kwargs else 0
         return await self._off_loop(
-            size, self.encode_chat, messages, add_generation_prompt, continue_final_message, tools
+            size,
+            self.encode_chat,
+            messages,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+            template_kwargs,
+            add_special_tokens,
         )
 
     async def _off_loop(self, num_chars: int, function: Callable[..., T], *args: Any) -> T:
         if num_chars <= INLINE_MAX_CHARS:
             return function(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(function, *args))
+
+
+def vars_of(token: Any) -> dict[str, Any]:
+    """An added token's fields (content, special, lstrip, ...)."""
+    state = token.__getstate__()
+    return dict(state) if isinstance(state, dict) else {"content": str(token)}
+
+
+def json_safe(value: Any) -> Any:
+    """`value` as JSON holds it: containers walked, anything else that is not a JSON scalar as its text."""
+    if isinstance(value, dict):
+        return {str(key): json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
 
 
 @contextlib.contextmanager

@@ -28,7 +28,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         tools = body.tool_plan(ctx.tool_call_parser)
         params = body.sampling_params(tools)
         prompt = await engine.encode_chat(
-            body.template_messages(), body.add_generation_prompt, body.continue_final_message, body.template_tools()
+            body.template_messages(),
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.template_tools(),
+            body.chat_template_kwargs,
+            body.add_special_tokens,
         )
     thinks = ctx.splits_reasoning and prompt_opens_reasoning(engine.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]))
     if ctx.splits_reasoning and params.structured_output is not None:  # the constraint is on the answer only
@@ -39,7 +44,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     logger.debug(
         "request %s: chat, %d prompt tokens, n=%d, stream=%s", call.request_id, len(prompt), params.n, body.stream
     )
-    reply = ChatReply(ctx, body, tools, thinks)
+    reply = ChatReply(ctx, body, tools, thinks, prompt)
     if body.stream:
-        return sse_response(sse_events(reply, streams, params.n, record, body.include_usage), streams)
+        return sse_response(
+            sse_events(reply, streams, params.n, record, body.include_usage, body.continuous_usage), streams
+        )
     return reply.completion(await call.collect(streams, params.n), record.usage())

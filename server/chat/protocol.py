@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.engine import SamplingParams
@@ -45,13 +46,30 @@ class AssistantToolCall(RequestBody):
     function: CalledFunction
 
 
+STANDARD_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Other role names go to the chat template as they are (a template may know "ipython" or "observation"); they are
+# words, so no role can carry the text of a special token into the prompt.
+CUSTOM_ROLE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
+
+
+def _known_or_custom_role(role: str) -> str:
+    if role not in STANDARD_ROLES and not CUSTOM_ROLE.match(role):
+        message = "role must be one of {standard} or a custom role name (a letter, then letters, digits, '_' or '-')"
+        raise PydanticCustomError("invalid_value", message, {"standard": ", ".join(STANDARD_ROLES)})
+    return role
+
+
+Role = Annotated[str, AfterValidator(_known_or_custom_role)]
+
+
 class ChatMessage(RequestBody):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Role
     content: str | list[TextPart] | None = None  # None only for an assistant turn that called tools
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # the assistant's
     tool_call_id: str | None = None  # a tool message answers this call
     reasoning_content: str | None = None  # an earlier answer's reasoning: accepted, not shown to the model again
+    reasoning: str | None = None  # the same, under vLLM's newer name
 
     @model_validator(mode="after")
     def _content_where_needed(self) -> ChatMessage:
@@ -100,15 +118,41 @@ class ChatMessage(RequestBody):
 Messages = Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
 
 
-class ChatCompletionRequest(SamplingRequest):
+MAX_TEMPLATE_KWARGS = 64
+
+
+class ChatPrompt(RequestBody):
+    """How messages become a prompt (vLLM's fields), shared by chat completions and /tokenize."""
+
+    add_generation_prompt: bool = True  # open the assistant's turn after the messages
+    continue_final_message: bool = False  # the last (assistant) message is continued, left open
+    # The template's own switches (enable_thinking, ...); strings in them are text, like messages'.
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
+
+    @model_validator(mode="after")
+    def _continues_an_assistant_turn(self) -> ChatPrompt:
+        if not self.continue_final_message:
+            return self
+        param = {"param": "continue_final_message"}
+        if self.add_generation_prompt:
+            message = "continue_final_message needs add_generation_prompt false: a turn is either continued or opened"
+            raise PydanticCustomError("invalid_value", message, param)
+        messages: list[ChatMessage] | None = getattr(self, "messages", None)
+        if messages and messages[-1].role != "assistant":
+            message = "continue_final_message needs the last message to be the assistant's"
+            raise PydanticCustomError("invalid_value", message, param)
+        return self
+
+
+class ChatCompletionRequest(SamplingRequest, ChatPrompt):
     REFUSED = fields.CHAT
 
     messages: Messages
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    add_generation_prompt: bool = True  # vLLM's: open the assistant's turn after the messages
-    continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, left open
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's own (a BOS) too, before the template's
+    echo: bool = False  # vLLM's: a reply to a final assistant message starts with that message's text
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -135,21 +179,6 @@ class ChatCompletionRequest(SamplingRequest):
         if value not in (None, [], "none"):
             raise unsupported("functions and function_call are deprecated by OpenAI; use tools and tool_choice")
         return value
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _continues_an_assistant_turn(cls, continues: bool, info: ValidationInfo) -> bool:
-        if not continues:
-            return continues
-        if info.data.get("add_generation_prompt", True):
-            message = "continue_final_message needs add_generation_prompt false: a turn is either continued or opened"
-            raise PydanticCustomError("invalid_value", message)
-        messages = info.data.get("messages") or []
-        if messages and messages[-1].role != "assistant":
-            raise PydanticCustomError(
-                "invalid_value", "continue_final_message needs the last message to be the assistant's"
-            )
-        return continues
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -182,11 +211,21 @@ class ChatCompletionRequest(SamplingRequest):
     def template_messages(self) -> list[dict[str, Any]]:
         return [message.for_template() for message in self.messages]
 
+    @property
+    def echoed(self) -> str:
+        """What each reply starts with: with echo, the final message's text when it is the assistant's."""
+        last = self.messages[-1]
+        return (last.text or "") if self.echo and last.role == "assistant" else ""
+
     def template_tools(self) -> list[dict[str, Any]] | None:
         return None if not self.tools else [tool.for_template() for tool in self.tools]
 
 
 # ---- answers -------------------------------------------------------------------------------------------
+
+# With vLLM's return_token_ids, answers carry `prompt_token_ids` and their choices `token_ids`: set as extra fields
+# only then, so that no other answer shows them (vLLM's streams send prompt_token_ids in the first chunk only).
+TOKEN_IDS_EXTRA = ConfigDict(extra="allow")
 
 
 class AssistantMessage(BaseModel):
@@ -194,10 +233,15 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCall] | None = None
-    reasoning_content: str | None = None  # a reasoning model's thinking, as vLLM and DeepSeek's API send it
+    # A reasoning model's thinking, under both names servers use: DeepSeek's API's and older vLLM's
+    # `reasoning_content`, and vLLM's newer `reasoning`.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):
+    model_config = TOKEN_IDS_EXTRA
+
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
@@ -205,6 +249,8 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletion(BaseModel):
+    model_config = TOKEN_IDS_EXTRA
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -216,14 +262,19 @@ class ChatCompletion(BaseModel):
 
 
 class ChatChunkChoice(BaseModel):
+    model_config = TOKEN_IDS_EXTRA
+
     index: int
-    delta: dict[str, Any]  # {"role", "content"} first; then {"content"}, {"reasoning_content"} or {"tool_calls"};
+    delta: dict[str, Any]  # {"role", "content"} first; then {"content"}, {"reasoning_content", "reasoning"} or
+    # {"tool_calls"};
     # {} with the finish_reason
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
+    model_config = TOKEN_IDS_EXTRA
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int

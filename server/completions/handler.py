@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -30,7 +31,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     with call.client_errors("prompt"):
         params = body.sampling_params()
         check_admissible(engine.limits, len(body.prompts), params.n)  # before tokenizing: it costs nothing
-        prompts = [await engine.encode_prompt(prompt) for prompt in body.prompts]
+        prompts = [await engine.encode_prompt(prompt, body.add_special_tokens) for prompt in body.prompts]
     streams = await call.start(prompts, params, "prompt", body.timeout)
     logger.debug(
         "request %s: completion, %d prompts, %d prompt tokens, n=%d, stream=%s",
@@ -42,7 +43,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     )
     reply = CompletionReply(call.ctx, body, prompts, _echoes(engine, body, prompts), params.n)
     if body.stream:
-        return sse_response(sse_events(reply, streams, params.n, record, body.include_usage), streams)
+        return sse_response(
+            sse_events(reply, streams, params.n, record, body.include_usage, body.continuous_usage), streams
+        )
     return reply.completion(await call.collect(streams, params.n), record.usage())
 
 
@@ -71,6 +74,8 @@ class CompletionReply:
         self._text_offsets = [len(echo) for echo in self._echoes]  # where each choice's next token starts
         self._echo_logprobs = body.echoes_logprobs
         self._vllm_prompt_logprobs = body.prompt_logprobs is not None
+        self._token_ids = body.return_token_ids
+        self._prompt_ids_sent: set[int] = set()  # streamed choices whose prompt_token_ids went out
         self._envelope = ctx.envelope("cmpl")
 
     def completion(self, outputs: list[CompletionOutput], usage: Usage) -> Completion:
@@ -81,6 +86,7 @@ class CompletionReply:
                 logprobs=self._choice_logprobs(output.index, output.prompt_logprobs, output.logprobs),
                 finish_reason=output.finish_reason,
                 prompt_logprobs=self._vllm(output.prompt_logprobs),
+                **self._ids(output.index, output.token_ids),
             )
             for output in outputs
         ]
@@ -99,9 +105,20 @@ class CompletionReply:
             text = self._echoes[choice] + text
         logprobs = self._choice_logprobs(choice, prompt_logprobs, delta.new_logprobs)
         vllm = self._vllm(prompt_logprobs)
-        if not text and logprobs is None and vllm is None:
+        if not text and logprobs is None and vllm is None and not (self._token_ids and delta.new_token_ids):
             return []
-        return [self._chunk(CompletionChoice(index=choice, text=text, logprobs=logprobs, prompt_logprobs=vllm))]
+        ids = self._ids(choice, delta.new_token_ids)
+        return [self._chunk(CompletionChoice(index=choice, text=text, logprobs=logprobs, prompt_logprobs=vllm, **ids))]
+
+    def _ids(self, choice: int, token_ids: list[int]) -> dict[str, Any]:
+        """With return_token_ids, a choice's new token ids, and its prompt's the first time (vLLM's fields)."""
+        if not self._token_ids:
+            return {}
+        ids: dict[str, Any] = {"token_ids": token_ids}
+        if choice not in self._prompt_ids_sent:
+            self._prompt_ids_sent.add(choice)
+            ids["prompt_token_ids"] = self._prompts[choice // self._n]
+        return ids
 
     def on_finish(self, choice: int, finish_reason: str) -> list[Completion]:
         return [self._chunk(CompletionChoice(index=choice, text="", finish_reason=finish_reason))]

@@ -9,6 +9,7 @@ from pydantic_core import PydanticCustomError
 
 from pagedserve.engine import SamplingParams
 from pagedserve.server import fields
+from pagedserve.server.chat.protocol import TOKEN_IDS_EXTRA
 from pagedserve.server.protocol import (
     CompletionLogprobs,
     PromptLogprobsOut,
@@ -30,6 +31,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: TopLogprobs | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
     best_of: int | None = None
 
     @field_validator("prompt", mode="before")
@@ -92,6 +94,8 @@ def _is_prompt(value: Any) -> bool:
 
 
 class CompletionChoice(BaseModel):
+    model_config = TOKEN_IDS_EXTRA
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -100,6 +104,8 @@ class CompletionChoice(BaseModel):
 
 
 class Completion(BaseModel):
+    model_config = TOKEN_IDS_EXTRA
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int

@@ -101,7 +101,7 @@ class ResponseReply:
     def complete(self, output: CompletionOutput, usage: Usage) -> ResponseObject:
         """The whole answer, from a collected output."""
         self.finish_reason = output.finish_reason
-        reply = read_reply(self._tools, output.text)
+        reply = read_reply(self._tools, output.text, output.finish_reason)
         if reply.content is not None or not reply.tool_calls:
             self.items.append(MessageItem(text=reply.content or "", logprobs=self._logprobs(output.logprobs)))
         self.items += [CallItem(call.name, arguments=call.arguments) for call in reply.tool_calls]
@@ -166,7 +166,7 @@ class ResponseReply:
         logprobs = self._logprobs(delta.new_logprobs)
         chat_deltas = self._stream.feed(delta.new_text)
         if delta.finished:
-            chat_deltas += self._stream.finish()
+            chat_deltas += self._stream.finish(delta.finish_reason)
         if logprobs and isinstance(self._open, MessageItem) and not any("content" in d for d in chat_deltas):
             chat_deltas.append({"content": ""})  # a token with no text yet still brings its logprobs
         specs: list[EventSpec] = []

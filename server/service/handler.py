@@ -1,4 +1,4 @@
-"""Everything but generation: models, probes, version, tokenizer endpoints, metrics."""
+"""Everything but generation and tokenizing: models, probes, version, the prefix cache, metrics."""
 
 from __future__ import annotations
 
@@ -8,15 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from pagedserve.server.context import VERSION, serving
-from pagedserve.server.errors import invalid_request, to_api_error
-from pagedserve.server.service.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from pagedserve.server.service.protocol import ModelCard, ModelList
 
 router = APIRouter()
 
@@ -60,30 +52,6 @@ async def ready(request: Request) -> JSONResponse:
 @router.get("/version")
 async def server_version() -> dict[str, str]:
     return {"version": VERSION}
-
-
-@router.post("/tokenize", response_model=TokenizeResponse)
-async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    engine = serving(request).engine_for(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise invalid_request("send exactly one of prompt and messages", "invalid_value")
-    try:
-        if body.messages is not None:
-            tokens = await engine.encode_chat([message.for_template() for message in body.messages])
-        else:
-            tokens = await engine.encode_prompt(body.prompt or "", add_special_tokens=body.add_special_tokens)
-    except ValueError as exc:
-        raise to_api_error(exc, "messages") from exc
-    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.limits.max_model_len)
-
-
-@router.post("/detokenize", response_model=DetokenizeResponse)
-async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    engine = serving(request).engine_for(body.model)
-    vocab_size = engine.limits.vocab_size
-    if any(not 0 <= token < vocab_size for token in body.tokens):
-        raise invalid_request(f"tokens must be token ids in [0, {vocab_size})", "invalid_value", "tokens")
-    return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
 
 
 @router.post("/reset_prefix_cache", tags=["admin"])

@@ -1,0 +1,1 @@
+"""llama.cpp's native endpoints whose meaning maps exactly onto pagedserve's: /completion, /apply-template, /props."""
