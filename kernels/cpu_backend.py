@@ -41,6 +41,8 @@ TRANSPOSED_GEMM_MAX_ROWS = 256
 
 class CpuBackend(KernelBackend):
     name = "cpu"
+    # Activations of block-format products (kernels/quantized.py): "int8" where the engine's setting says so.
+    activation_dtype = "float32"
 
     def __init__(self, native: bool = True) -> None:
         """native=False keeps every op on its torch path (the oracle the native kernels are tested against)."""
@@ -131,11 +133,11 @@ class CpuBackend(KernelBackend):
         if not isinstance(weight, QuantizedWeight) or not _feature_major(x):
             return super().quantized_linear(x, weight, bias)
         out = torch.empty(weight.shape[0], x.shape[0]).t()  # feature-major, as linear() returns
-        return quantized_linear(x, weight, bias, out=out)
+        return quantized_linear(x, weight, bias, out=out, activation_dtype=self.activation_dtype)
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor | AnyQuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):  # the kernel writes rows as they are asked for: no transposed copy
-            return quantized_linear(hidden, weight)
+            return quantized_linear(hidden, weight, activation_dtype=self.activation_dtype)
         return super().logits(hidden, weight)
 
     def in_linear_output_layout(self, x: torch.Tensor) -> torch.Tensor:

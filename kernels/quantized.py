@@ -11,9 +11,9 @@ into torch's matmul.
 
 activation_dtype "int8" quantizes a call's x to 8 bits a block of 32 and multiplies by integer dot products
 (csrc/int8_linear.c, as llama.cpp does): faster for a few tokens (INT8_MAX_TOKENS), no longer the float32
-product of the dequantized weight. From INT8_MAX_TOKENS tokens, and for formats without such a kernel, the float32
-path runs whatever the setting. The torch reference (`dequantize`, `quantize`) is in kernels/quantized_reference.py; both
-modules' names are importable from here.
+product of the dequantized weight. From INT8_MAX_TOKENS tokens, and for formats without such a kernel, the
+float32 path runs whatever the setting. The torch reference (`dequantize`, `quantize`) is in
+kernels/quantized_reference.py (int8: kernels/int8_reference.py); both modules' names are importable from here.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from pagedserve.kernels.quantized_reference import dequantize, dequantize_rows, 
 __all__ = [
     "ACTIVATION_DTYPES",
     "BLOCK",
-    "INT8_MAX_TOKENS",
     "FORMATS",
+    "INT8_MAX_TOKENS",
     "ROW_TILE",
     "SUPER_BLOCK",
     "BlockFormat",

@@ -7,6 +7,9 @@ where every op it composes applies: float32 on the CPU with the native library, 
 format, no q/k norms, and a step whose every query row the native attention kernel
 takes (decode rows, and prefill chunks of sequences the kernel attends faster than SDPA), of at most
 MAX_TOKENS tokens, which bounds the step's scratch memory. Elsewhere the model's modules run as before.
+
+Both paths multiply with the activations the backend's `activation_dtype` names (EngineConfig.activation_dtype,
+set by `use_activation_dtype`): 8-bit ones for steps of fewer than INT8_MAX_TOKENS tokens where it says int8.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from pagedserve.kernels import AttentionMetadata, RotaryAngles
+from pagedserve.kernels.backend import KernelBackend
 from pagedserve.kernels.cpu_attention import plan_attention
+from pagedserve.kernels.cpu_backend import CpuBackend
 from pagedserve.kernels.cpu_native import VECTOR_LANES, native_function
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
-from pagedserve.kernels.quantized import FORMATS, QuantizedWeight
+from pagedserve.kernels.quantized import FORMATS, INT8_MAX_TOKENS, QuantizedWeight, int8_linear_kernel
 
 if TYPE_CHECKING:
     from pagedserve.engine.worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
@@ -65,6 +70,7 @@ class _Model(ctypes.Structure):
         ("scale", _f32),
         ("layers", ctypes.POINTER(_Layer)),
         ("final_norm", _pointer),
+        ("int8_max_tokens", _i64),
     ]
 
 
@@ -112,6 +118,7 @@ class CpuDecoder:
             scale=attention.scale,
             layers=self._layers,
             final_norm=model.norm.weight.data_ptr(),
+            int8_max_tokens=INT8_MAX_TOKENS if getattr(model.backend, "activation_dtype", "") == "int8" else 0,
         )
 
     def forward(
@@ -149,6 +156,19 @@ class CpuDecoder:
         if status != 0:
             raise MemoryError(f"decoder_forward failed ({status})")
         return out
+
+
+def use_activation_dtype(backend: KernelBackend, setting: str) -> str:
+    """Sets the CPU backend's activation dtype from EngineConfig.activation_dtype and returns it: "auto" is int8
+    where the int8 kernels are built (benchmarks/int8_activations.py: the faster path at decode), "float32"
+    elsewhere. Other backends multiply float activations whatever the setting."""
+    if not isinstance(backend, CpuBackend):
+        return "float32"
+    chosen = setting
+    if setting == "auto":
+        chosen = "int8" if int8_linear_kernel() is not None else "float32"
+    backend.activation_dtype = chosen
+    return chosen
 
 
 def bind_kv_caches(model: LlamaForCausalLM, caches: list[KVCache]) -> None:
