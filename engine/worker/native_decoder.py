@@ -121,6 +121,15 @@ class CpuDecoder:
             int8_max_tokens=INT8_MAX_TOKENS if getattr(model.backend, "activation_dtype", "") == "int8" else 0,
         )
 
+    @property
+    def int8_max_tokens(self) -> int:
+        """Steps of fewer tokens multiply 8-bit activations (0: none do)."""
+        return int(self._model.int8_max_tokens)
+
+    @int8_max_tokens.setter
+    def int8_max_tokens(self, tokens: int) -> None:
+        self._model.int8_max_tokens = tokens
+
     def forward(
         self, embeddings: torch.Tensor, angles: RotaryAngles, metadata: AttentionMetadata
     ) -> torch.Tensor | None:
