@@ -107,3 +107,14 @@ int quantize_q8_f32(int8_t *q, float *d, float *s, const float *x, int64_t ldx, 
         quantize_q8(q + m * K, d + m * (K / Q8_BLOCK), s + m * (K / Q8_BLOCK), x + m * ldx, K);
     return 0;
 }
+
+/* The instruction set this build's int8 kernels use: 2 AVX-512 VNNI, 1 AVX2, 0 portable C. */
+int int8_kernel_path(void) {
+#if defined(INT8_VNNI)
+    return 2;
+#elif defined(INT8_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
