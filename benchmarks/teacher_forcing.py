@@ -1,7 +1,7 @@
-"""How far 8-bit activations move the embedded SmolLM2's tokens: teacher forcing against the float32 path.
+"""How far 8- and 16-bit activations move the embedded SmolLM2's tokens: teacher forcing against float32.
 
 The float32 path (activation_dtype float32) generates 128 greedy tokens for each of 64 chat prompts (the
-throughput benchmark's workload) and keeps each chosen token's logprob. The int8 path then serves the same
+throughput benchmark's workload) and keeps each chosen token's logprob. The int8 path (then int16) serves the same
 prompts as it would any request, but its sampler is made to pick the float32 path's token at each step, so
 both paths see the same text; it records, at each generated position, whether its own top-1 token is the float32
 path's and the absolute difference of the two paths' logprobs of that token. Targets (issue 33): agreement >=
@@ -125,7 +125,7 @@ def main() -> None:
     prompts = chat_prompts(loaded.tokenizer, args.prompts, args.min_prompt, args.max_prompt)
     clock = time.perf_counter()
     generated = generate(loaded, prompts, args.tokens)
-    rows = {"int8": summary(forced_scores(loaded, prompts, generated, "int8"))}
+    rows = {dtype: summary(forced_scores(loaded, prompts, generated, dtype)) for dtype in ("int8", "int16")}
     if not args.no_control:
         rows["float32 (control)"] = summary(forced_scores(loaded, prompts, generated, "float32"))
     positions = sum(len(ids) for ids, _ in generated)

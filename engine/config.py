@@ -11,7 +11,7 @@ import yaml
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
-ACTIVATION_DTYPES = ("auto", "float32", "int8")
+ACTIVATION_DTYPES = ("auto", "float32", "int8", "int16")
 
 
 @dataclass
@@ -28,8 +28,9 @@ class EngineConfig:
     # none: float; one of those formats (q8_0 ... q6_k): every projection quantized to it at load. Split over
     # ranks, each rank keeps its shards in blocks (engine/worker/weights/: on_load_quantization.py, gguf.py)
     quantization: str = "auto"
-    # auto = int8 on the CPU: block-format projections multiply 8-bit activations of decode steps, as llama.cpp
-    # does (faster; tokens no longer equal transformers'); float32 = the dequantized model's float products
+    # CPU decode steps' activations for block-format projections: int8 = 8-bit, as llama.cpp (fastest; moves
+    # ~2% of greedy tokens), int16 (auto) = 16-bit (nearly as fast, ~float32's tokens); float32 = the dequantized
+    # model's float products, transformers' tokens
     activation_dtype: str = "auto"
 
     # KV cache

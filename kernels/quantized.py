@@ -11,8 +11,9 @@ into torch's matmul.
 
 activation_dtype "int8" quantizes a call's x to 8 bits a block of 32 and multiplies by integer dot products
 (csrc/int8_linear.c, as llama.cpp does): faster for a few tokens (INT8_MAX_TOKENS), no longer the float32
-product of the dequantized weight. From INT8_MAX_TOKENS tokens, and for formats without such a kernel, the
-float32 path runs whatever the setting. The torch reference (`dequantize`, `quantize`) is in
+product of the dequantized weight. "int16" does the same with 16-bit integers: x to ~1e-5, nearly as fast.
+From INT8_MAX_TOKENS tokens, and for formats without such a kernel, the float32 path runs whatever the setting.
+The torch reference (`dequantize`, `quantize`) is in
 kernels/quantized_reference.py (int8: kernels/int8_reference.py); both modules' names are importable from here.
 """
 
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 ROW_TILE = 256  # rows dequantized at a time without the kernels: a 256 x 1536 float32 tile is 1.5 MiB
-ACTIVATION_DTYPES = ("float32", "int8")
+ACTIVATION_DTYPES = ("float32", "int8", "int16")
 # Tokens from which int8 activations give way to the float32 path (benchmarks/int8_activations.py: at 16 tokens
 # the float32 path's dequantized tiles, shared by every token, are faster).
 INT8_MAX_TOKENS = 16
@@ -76,7 +77,7 @@ def quantized_linear(
     x may be token-major or feature-major (a transposed view); the kernel reads it token-major, copying a
     feature-major x of more than one token. `out` (float32 [T, out], either layout) receives the result where
     given, so a caller may ask for the feature-major layout; otherwise a new token-major tensor does.
-    activation_dtype "int8": x quantized to 8 bits where a kernel takes it (see above).
+    activation_dtype "int8" / "int16": x quantized to 8 / 16 bits where a kernel takes it (see above).
     """
     _check_operands(x, weight, bias, out)
     if out is None:
@@ -131,18 +132,18 @@ def _kernel_for(x: torch.Tensor, weight: QuantizedWeight, activation_dtype: str)
     """The int8 kernel where asked for and it takes this product; else the float32 one (None: no library)."""
     if activation_dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"activation_dtype must be one of {ACTIVATION_DTYPES}, got {activation_dtype!r}")
-    if activation_dtype == "int8" and x.shape[0] < INT8_MAX_TOKENS and weight.qtype in int8_formats():
-        return int8_linear_kernel() or quantized_linear_kernel()
+    if activation_dtype != "float32" and x.shape[0] < INT8_MAX_TOKENS and weight.qtype in int8_formats():
+        return int8_linear_kernel(activation_dtype == "int16") or quantized_linear_kernel()
     return quantized_linear_kernel()
 
 
 @functools.cache
-def int8_linear_kernel() -> QuantizedLinear | None:
-    """csrc/int8_linear.c's product with x quantized to 8 bits, for every format of int8_formats(); None where
-    the library cannot be built."""
+def int8_linear_kernel(sixteen_bits: bool = False) -> QuantizedLinear | None:
+    """csrc/int8_linear.c's product with x quantized to 8 bits (or 16), for every format of int8_formats(); None
+    where the library cannot be built."""
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     argtypes = [pointer, i64, i64, pointer, i64, pointer, pointer, i64, i64, i64, i32, i32]
-    function = native_function("int8_linear_f32", argtypes)
+    function = native_function("int16_linear_f32" if sixteen_bits else "int8_linear_f32", argtypes)
     return None if function is None else functools.partial(_native_linear, {BLOCK: function, SUPER_BLOCK: function})
 
 

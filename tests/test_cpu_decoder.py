@@ -110,8 +110,8 @@ def test_native_forward_takes_k_quants(k_quant_sized_llama: Path, qtype: str) ->
 # --- 8-bit activations --------------------------------------------------------------------------------------
 
 
-def assert_int8_follows_the_modules(engine: LLMEngine) -> None:
-    """Both paths on 8-bit activations: the same tokens, and logprobs as close as the 8-bit roundings of x allow
+def assert_integer_path_follows_the_modules(engine: LLMEngine, dtype: str) -> None:
+    """Both paths on integer activations: the same tokens, and logprobs as close as the roundings of x allow
     (decided on float32 inputs that differ by rounding between the paths, one may land a step apart). And not the
     float32 path's logprobs: the native forward does quantize."""
     decoder = engine.runner.model.native_decoder
@@ -122,21 +122,27 @@ def assert_int8_follows_the_modules(engine: LLMEngine) -> None:
     try:
         float32, _ = both_ways(engine, PROMPTS)
     finally:
-        engine.runner.model.backend.activation_dtype = "int8"
+        engine.runner.model.backend.activation_dtype = dtype
         decoder.int8_max_tokens = INT8_MAX_TOKENS
     for i in native:
         assert native[i][0] == modules[i][0]
-        assert native[i][1] == pytest.approx(modules[i][1], abs=1e-2)
-        assert native[i][1] != pytest.approx(float32[i][1], abs=1e-6)
+        assert native[i][1] == pytest.approx(modules[i][1], abs=1e-2 if dtype == "int8" else 1e-4)
+        assert native[i][1] != pytest.approx(float32[i][1], abs=1e-7)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int16"])
 @pytest.mark.parametrize(("family", "qtype"), [("llama", "q4_0"), ("qwen2", "q8_0"), ("mistral", "q4_1")])
-def test_native_forward_takes_int8_activations(tiny_model_dir: Callable[[str], Path], family: str, qtype: str) -> None:
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(family)), quantization=qtype, activation_dtype="int8"))
-    assert_int8_follows_the_modules(engine)
+def test_native_forward_takes_integer_activations(
+    tiny_model_dir: Callable[[str], Path], family: str, qtype: str, dtype: str
+) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(family)), quantization=qtype, activation_dtype=dtype))
+    assert_integer_path_follows_the_modules(engine, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int16"])
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
-def test_native_forward_takes_int8_activations_with_k_quants(k_quant_sized_llama: Path, qtype: str) -> None:
-    engine = LLMEngine(EngineConfig(model=str(k_quant_sized_llama), quantization=qtype, activation_dtype="int8"))
-    assert_int8_follows_the_modules(engine)
+def test_native_forward_takes_integer_activations_with_k_quants(
+    k_quant_sized_llama: Path, qtype: str, dtype: str
+) -> None:
+    engine = LLMEngine(EngineConfig(model=str(k_quant_sized_llama), quantization=qtype, activation_dtype=dtype))
+    assert_integer_path_follows_the_modules(engine, dtype)

@@ -1,5 +1,5 @@
-"""Block-format products with 8-bit activations (csrc/int8_linear.c) against the torch reference of the same
-arithmetic (kernels/int8_reference.py), and against the float32 path within the error of x's quantization.
+"""Block-format products with 8- and 16-bit activations (csrc/int8_linear.c) against the torch reference of the
+same arithmetic (kernels/int8_reference.py), and against the float32 path within the error of x's quantization.
 
 The library is built for the host (AVX-512 VNNI where it has it); the last tests rebuild it for AVX2 alone and
 for no AVX at all (PAGEDSERVE_NATIVE_CFLAGS) and run this file's reference tests on each build."""
@@ -32,6 +32,8 @@ from tests.test_kernels_quantized import random_weight
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 QTYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 TOKENS = (1, 2, 5, INT8_MAX_TOKENS - 1)
+BITS = (8, 16)
+DTYPES = {8: "int8", 16: "int16"}
 NARROWER_BUILDS = {"avx2": "-mno-avx512f", "portable": "-mno-avx"}
 KERNEL_PATHS = {"portable": 0, "avx2": 1, "vnni": 2}  # csrc/int8_linear.c's int8_kernel_path()
 
@@ -49,12 +51,12 @@ def activations(tokens: int, features: int = 768) -> torch.Tensor:
     return x
 
 
-def native_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def native_quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    function = native_function("quantize_q8_f32", [pointer, pointer, pointer, pointer, i64, i64, i64])
+    function = native_function(f"quantize_q{bits}_f32", [pointer, pointer, pointer, pointer, i64, i64, i64])
     assert function is not None
     tokens, features = x.shape
-    q = torch.empty(tokens, features, dtype=torch.int8)
+    q = torch.empty(tokens, features, dtype=torch.int8 if bits == 8 else torch.int16)
     d, s = torch.empty(tokens, features // 32), torch.empty(tokens, features // 32)
     assert function(q.data_ptr(), d.data_ptr(), s.data_ptr(), x.data_ptr(), x.stride(0), tokens, features) == 0
     return q, d, s
@@ -67,7 +69,7 @@ def kernel_path() -> int:
 
 
 def test_the_kernels_build_for_every_format() -> None:
-    assert int8_linear_kernel() is not None
+    assert int8_linear_kernel() is not None and int8_linear_kernel(sixteen_bits=True) is not None
     assert int8_formats() == frozenset(QTYPES)
 
 
@@ -81,49 +83,57 @@ def test_the_kernel_path_is_the_one_the_build_flags_allow() -> None:
         assert kernel_path() == KERNEL_PATHS["vnni" if vnni else "avx2"]
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("tokens", (1, 3))
-def test_quantized_activations_are_the_reference_bit_for_bit(tokens: int) -> None:
+def test_quantized_activations_are_the_reference_bit_for_bit(tokens: int, bits: int) -> None:
     x = activations(tokens) * 0.37
-    x[0, 300] = 2.5 * (x[0, 288:320].abs().max() / 127)  # a tie, rounded to even
-    for native, reference in zip(native_quantize(x), quantize_activations(x), strict=True):
+    x[0, 300] = 2.5 * (x[0, 288:320].abs().max() / 127)  # a tie at 8 bits, rounded to even
+    for native, reference in zip(native_quantize(x, bits), quantize_activations(x, bits), strict=True):
         assert torch.equal(native, reference)
 
 
-def test_quantized_activations_are_close_to_x() -> None:
+@pytest.mark.parametrize("bits", BITS)
+def test_quantized_activations_are_close_to_x(bits: int) -> None:
     x = activations(4)
-    q, d, _ = quantize_activations(x)
-    assert q.abs().max() <= 127 and torch.equal(q[:, 64:96], torch.zeros(4, 32, dtype=torch.int8))
+    q, d, _ = quantize_activations(x, bits)
+    assert q.abs().max() <= 2 ** (bits - 1) - 1 and not q[:, 64:96].any()
     error = (dequantize_activations(q, d) - x.double()).reshape(4, -1, 32).abs()
-    assert (error <= d.double().unsqueeze(-1) / 2 + 1e-12).all()  # at most half a step a block
+    rounding = x.double().abs().reshape(4, -1, 32) * 2**-23  # of x * (1 / d), in float32
+    assert (error <= d.double().unsqueeze(-1) / 2 + rounding + 1e-12).all()  # half a step a block
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_int8_kernel_is_the_reference(qtype: str, tokens: int) -> None:
+def test_integer_kernel_is_the_reference(qtype: str, tokens: int, bits: int) -> None:
     """Up to float32 sums: ~1e-5 of the largest output, which the integer products do not add to."""
     weight, x = weight_of(qtype), activations(tokens)
     bias = torch.randn(weight.shape[0])
-    out = quantized_linear(x, weight, bias, activation_dtype="int8")
-    expected = int8_linear_reference(x, weight, bias)
+    out = quantized_linear(x, weight, bias, activation_dtype=DTYPES[bits])
+    expected = int8_linear_reference(x, weight, bias, bits)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("qtype", ("q4_0", "q4_k"))
-def test_int8_kernel_writes_either_layout_and_reads_feature_major_x(qtype: str) -> None:
+def test_integer_kernel_writes_either_layout_and_reads_feature_major_x(qtype: str, bits: int) -> None:
     weight, x = weight_of(qtype), activations(3)
     out = torch.empty(weight.shape[0], 3).t()  # feature-major, as the CPU backend asks
-    quantized_linear(x.t().contiguous().t(), weight, out=out, activation_dtype="int8")
-    torch.testing.assert_close(out, int8_linear_reference(x, weight), rtol=1e-5, atol=1e-4)
+    quantized_linear(x.t().contiguous().t(), weight, out=out, activation_dtype=DTYPES[bits])
+    torch.testing.assert_close(out, int8_linear_reference(x, weight, bits=bits), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(("bits", "bounds"), [(8, (1e-4, 0.02)), (16, (1e-7, 1e-4))])
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_int8_kernel_is_the_float_path_within_the_error_of_quantizing_x(qtype: str) -> None:
+def test_integer_kernel_is_the_float_path_within_the_error_of_quantizing_x(
+    qtype: str, bits: int, bounds: tuple[float, float]
+) -> None:
     """x rounded to 8 bits a block: an RMS error of ~0.3% of each block's largest feature, so a product's
-    relative error of about half a percent here; the bound leaves room above it."""
+    relative error of about half a percent here (16 bits: 258 times less); the bounds leave room above it."""
     weight, x = weight_of(qtype), activations(4)
     exact = quantized_linear(x, weight)
-    error = (quantized_linear(x, weight, activation_dtype="int8") - exact).norm() / exact.norm()
-    assert 1e-4 < error < 0.02
+    error = (quantized_linear(x, weight, activation_dtype=DTYPES[bits]) - exact).norm() / exact.norm()
+    assert bounds[0] < error < bounds[1]
 
 
 def test_float32_and_many_tokens_take_the_float_path() -> None:

@@ -9,7 +9,8 @@ takes (decode rows, and prefill chunks of sequences the kernel attends faster th
 MAX_TOKENS tokens, which bounds the step's scratch memory. Elsewhere the model's modules run as before.
 
 Both paths multiply with the activations the backend's `activation_dtype` names (EngineConfig.activation_dtype,
-set by `use_activation_dtype`): 8-bit ones for steps of fewer than INT8_MAX_TOKENS tokens where it says int8.
+set by `use_activation_dtype`): 8- or 16-bit ones for steps of fewer than INT8_MAX_TOKENS tokens where it says
+int8 or int16.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class _Model(ctypes.Structure):
         ("layers", ctypes.POINTER(_Layer)),
         ("final_norm", _pointer),
         ("int8_max_tokens", _i64),
+        ("activation_bits", _i64),
     ]
 
 
@@ -105,6 +107,7 @@ class CpuDecoder:
             )
         )
         k_cache = caches[0][0]
+        activation_dtype = getattr(model.backend, "activation_dtype", "float32")
         self._model = _Model(
             num_layers=spec.num_layers,
             hidden=spec.hidden_size,
@@ -118,12 +121,13 @@ class CpuDecoder:
             scale=attention.scale,
             layers=self._layers,
             final_norm=model.norm.weight.data_ptr(),
-            int8_max_tokens=INT8_MAX_TOKENS if getattr(model.backend, "activation_dtype", "") == "int8" else 0,
+            int8_max_tokens=0 if activation_dtype == "float32" else INT8_MAX_TOKENS,
+            activation_bits=16 if activation_dtype == "int16" else 8,
         )
 
     @property
     def int8_max_tokens(self) -> int:
-        """Steps of fewer tokens multiply 8-bit activations (0: none do)."""
+        """Steps of fewer tokens multiply integer activations (0: none do)."""
         return int(self._model.int8_max_tokens)
 
     @int8_max_tokens.setter
@@ -168,14 +172,15 @@ class CpuDecoder:
 
 
 def use_activation_dtype(backend: KernelBackend, setting: str) -> str:
-    """Sets the CPU backend's activation dtype from EngineConfig.activation_dtype and returns it: "auto" is int8
-    where the int8 kernels are built (benchmarks/int8_activations.py: the faster path at decode), "float32"
-    elsewhere. Other backends multiply float activations whatever the setting."""
+    """Sets the CPU backend's activation dtype from EngineConfig.activation_dtype and returns it: "auto" is int16
+    where the integer kernels are built (benchmarks/int8_activations.py: faster than float32 at decode;
+    benchmarks/teacher_forcing.py: float32's tokens, where int8 moves ~2% of them), "float32" elsewhere. Other
+    backends multiply float activations whatever the setting."""
     if not isinstance(backend, CpuBackend):
         return "float32"
     chosen = setting
     if setting == "auto":
-        chosen = "int8" if int8_linear_kernel() is not None else "float32"
+        chosen = "int16" if int8_linear_kernel(sixteen_bits=True) is not None else "float32"
     backend.activation_dtype = chosen
     return chosen
 

@@ -32,14 +32,26 @@ typedef struct {
     const float *d, *s;
 } q8_token;
 
+/* The same with 16-bit integers (d = max |x| / 32767): x to ~1e-5, for the float32 path's tokens at most of
+ * the 8-bit path's speed (int16_dot.c). */
+typedef struct {
+    const int16_t *q;
+    const float *d, *s;
+} q16_token;
+
 /* q [K], d [K / 32], s [K / 32] = x [K] quantized; K a multiple of 32. */
 void quantize_q8(int8_t *q, float *d, float *s, const float *x, int64_t K);
 
+/* q [K], d [K / 32], s [K / 32] = x [K] quantized to 16 bits. */
+void quantize_q16(int16_t *q, float *d, float *s, const float *x, int64_t K);
+
 /* A weight row of `blocks` blocks of its format times a quantized token: sum_k w[k] * d * q[k]. */
 typedef float int8_row_dot(const uint8_t *row, const q8_token *x, int64_t blocks);
+typedef float int16_row_dot(const uint8_t *row, const q16_token *x, int64_t blocks);
 
 /* The row dots of each format (int8_dot_blocks.c, int8_dot_kquants.c). */
 int8_row_dot int8_dot_q8_0, int8_dot_q4_0, int8_dot_q4_1, int8_dot_q4_k, int8_dot_q5_k, int8_dot_q6_k;
+int16_row_dot int16_dot_q8_0, int16_dot_q4_0, int16_dot_q4_1, int16_dot_q4_k, int16_dot_q5_k, int16_dot_q6_k;
 
 #ifdef INT8_AVX2
 /* The four-byte dot products of unsigned u and signed s, as eight int32 lanes (lane i: bytes 4i..4i+3). No
@@ -50,6 +62,23 @@ static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
+}
+
+/* 16 int16 weights times 16 int16 activations at any address, as eight int32 pair sums added to acc. */
+static inline __m256i dot_i16(__m256i acc, __m256i w, const int16_t *x) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+#ifdef INT8_VNNI
+    return _mm256_dpwssd_epi32(acc, w, xv);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, xv));
+#endif
+}
+
+/* 32 unsigned bytes times 32 int16 activations, as eight int32 partial sums (any grouping of the products). */
+static inline __m256i dot_u8_s16(__m256i u, const int16_t *x) {
+    const __m256i low = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
+    return dot_i16(dot_i16(_mm256_setzero_si256(), low, x), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1)),
+                   x + 16);
 }
 
 static inline float sum_lanes(__m256 v) {
