@@ -1,10 +1,10 @@
-"""Block-format products with float32 against 8-bit activations (kernels/quantized.py's activation_dtype), per
-format, at a 1B-parameter Llama's shapes, with the machine's copy bandwidth measured in the same run.
+"""Block-format products with float32 against 8- and 16-bit activations (kernels/quantized.py's activation_dtype),
+per format, at a 1B-parameter Llama's shapes, with the machine's copy bandwidth measured in the same run.
 
 Each format's weights are four decoder layers of Llama-3.2-1B's shape (hidden 2048, 8 KV heads of 64, FFN
 8192: q/k/v fused 3072 x 2048, o 2048 x 2048, gate/up fused 16384 x 2048, down 2048 x 8192), in memory of their
 own (132-250 MiB: far past the last-level cache, so every product streams its weight from memory as a decode
-step does). The two paths alternate (float32, int8, float32, ...) so that a shared machine's slow moments hit
+step does). The paths alternate (float32, int8, int16, float32, ...) so that a shared machine's slow moments hit
 both; the figure is the weights' bytes over the median time of one pass over the four layers. Token counts 1
 (one stream's decode step) to 15 (the most kernels/quantized.py's INT8_MAX_TOKENS lets the int8 path take).
 
@@ -33,7 +33,7 @@ from pagedserve.kernels.quantized import QuantizedWeight, int8_linear_kernel, qu
 LAYER = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))
 NUM_LAYERS = 4
 FORMATS = ("q4_0", "q8_0", "q4_1", "q4_k", "q5_k", "q6_k")
-TOKENS = (1, 2, 4, 8, 15)
+TOKENS = (1, 2, 3, 4, 8, 15)
 SAMPLES = 9
 COPY_BYTES = 256 << 20
 KERNEL_PATHS = {0: "portable C", 1: "AVX2", 2: "AVX-512 VNNI"}
@@ -59,17 +59,20 @@ def pass_seconds(weights: list[QuantizedWeight], x: dict[int, torch.Tensor], act
     return time.perf_counter() - start
 
 
-def gb_per_second(weights: list[QuantizedWeight], tokens: int) -> tuple[float, float]:
-    """(float32, int8) weight bytes per second over all layers, interleaved medians."""
+DTYPES = ("float32", "int8", "int16")
+
+
+def gb_per_second(weights: list[QuantizedWeight], tokens: int) -> list[float]:
+    """Weight bytes per second over all layers for each of DTYPES, interleaved medians."""
     x = {k: torch.randn(tokens, k) for k in {w.shape[1] for w in weights}}
-    times: dict[str, list[float]] = {"float32": [], "int8": []}
+    times: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
     for dtype in times:
         pass_seconds(weights, x, dtype)  # warm-up
     for _ in range(SAMPLES):
         for dtype, elapsed in times.items():
             elapsed.append(pass_seconds(weights, x, dtype))
     nbytes = sum(w.nbytes for w in weights)
-    return nbytes / statistics.median(times["float32"]) / 1e9, nbytes / statistics.median(times["int8"]) / 1e9
+    return [nbytes / statistics.median(times[dtype]) / 1e9 for dtype in DTYPES]
 
 
 def copy_gb_per_second() -> float:
@@ -111,13 +114,15 @@ def main() -> None:
         f"{started:%Y-%m-%d %H:%M} UTC; 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
     print(f"copy bandwidth: {copy_before:.1f} GB/s read (before), {copy_after:.1f} (after)\n")
-    print("| format | tokens | float32 GB/s | int8 GB/s | int8 / float32 | int8 / copy |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| format | tokens | float32 GB/s | int8 GB/s | int16 GB/s | int8 / float32 | int16 / float32 | int16 / copy |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     copy = max(copy_before, copy_after)
-    for qtype, tokens, float_gbs, int8_gbs in rows:
+    for qtype, tokens, float_gbs, int8_gbs, int16_gbs in rows:
         print(
-            f"| {qtype.upper()} | {tokens} | {float_gbs:.1f} | {int8_gbs:.1f} | {int8_gbs / float_gbs:.2f} | "
-            f"{int8_gbs / copy:.0%} |"
+            f"| {qtype.upper()} | {tokens} | {float_gbs:.1f} | {int8_gbs:.1f} | {int16_gbs:.1f} | "
+            f"{int8_gbs / float_gbs:.2f} | {int16_gbs / float_gbs:.2f} | {int16_gbs / copy:.0%} |"
         )
 
 

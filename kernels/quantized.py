@@ -59,9 +59,10 @@ __all__ = [
 
 ROW_TILE = 256  # rows dequantized at a time without the kernels: a 256 x 1536 float32 tile is 1.5 MiB
 ACTIVATION_DTYPES = ("float32", "int8", "int16")
-# Tokens from which int8 activations give way to the float32 path (benchmarks/int8_activations.py: at 16 tokens
-# the float32 path's dequantized tiles, shared by every token, are faster).
-INT8_MAX_TOKENS = 16
+# Tokens from which integer activations give way to the float32 path (benchmarks/int8_activations.py: 1.2-1.8x
+# the float32 path's speed at one token, about even at 2-3, slower from 4, where the float32 kernels dequantize
+# each block once for every token and the integer ones unpack it again for each).
+INT8_MAX_TOKENS = 3
 
 
 def quantized_linear(
