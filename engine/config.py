@@ -11,6 +11,7 @@ import yaml
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+ACTIVATION_DTYPES = ("auto", "float32", "int8", "int16")
 
 
 @dataclass
@@ -27,6 +28,10 @@ class EngineConfig:
     # none: float; one of those formats (q8_0 ... q6_k): every projection quantized to it at load. Split over
     # ranks, each rank keeps its shards in blocks (engine/worker/weights/: on_load_quantization.py, gguf.py)
     quantization: str = "auto"
+    # CPU decode steps' activations for block-format projections: int8 = 8-bit, as llama.cpp (fastest; moves
+    # ~2% of greedy tokens), int16 (auto) = 16-bit (nearly as fast, ~float32's tokens); float32 = the dequantized
+    # model's float products, transformers' tokens
+    activation_dtype: str = "auto"
 
     # KV cache
     block_size: int = 16
@@ -76,6 +81,7 @@ class EngineConfig:
             (self.dtype in DTYPES, "dtype", f"one of {DTYPES}"),
             (self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'"),
             (self.quantization in QUANTIZATIONS, "quantization", f"one of {QUANTIZATIONS}"),
+            (self.activation_dtype in ACTIVATION_DTYPES, "activation_dtype", f"one of {ACTIVATION_DTYPES}"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "> 0"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1"),

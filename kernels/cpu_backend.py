@@ -41,6 +41,8 @@ TRANSPOSED_GEMM_MAX_ROWS = 256
 
 class CpuBackend(KernelBackend):
     name = "cpu"
+    # Activations of block-format products (kernels/quantized.py): "int8" where the engine's setting says so.
+    activation_dtype = "float32"
 
     def __init__(self, native: bool = True) -> None:
         """native=False keeps every op on its torch path (the oracle the native kernels are tested against)."""
@@ -134,12 +136,13 @@ class CpuBackend(KernelBackend):
             return super().quantized_linear(x, weight, bias)
         out = torch.empty(weight.shape[0], x.shape[0]).t()  # feature-major, as linear() returns
         for part, start, stop in products:  # each part fills its own columns of one output
-            quantized_linear(x, part, None if bias is None else bias[start:stop], out=out[:, start:stop])
+            part_bias = None if bias is None else bias[start:stop]
+            quantized_linear(x, part, part_bias, out=out[:, start:stop], activation_dtype=self.activation_dtype)
         return out
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor | ProjectionWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):  # the kernel writes rows as they are asked for: no transposed copy
-            return quantized_linear(hidden, weight)
+            return quantized_linear(hidden, weight, activation_dtype=self.activation_dtype)
         return super().logits(hidden, weight)
 
     def in_linear_output_layout(self, x: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,9 @@ CFLAGS = (
     "-shared",
     "-std=c11",
 )
+# Flags appended to CFLAGS (and to the cache key), e.g. "-mno-avx512f" or "-mno-avx": a build for a narrower
+# instruction set than the host's, so that tests exercise the AVX2 and portable paths on any x86 machine.
+EXTRA_CFLAGS_VARIABLE = "PAGEDSERVE_NATIVE_CFLAGS"
 DecodeAttention = Callable[..., None]
 WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], bool]
 # The kernel reads keys, values and queries in whole vectors of this many floats: head_dim must be a multiple.
@@ -222,15 +225,16 @@ def _build() -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler found (install gcc, or set CC)")
     sources = sorted(SOURCE_DIR.glob("*.c"))
+    flags = (*CFLAGS, *os.environ.get(EXTRA_CFLAGS_VARIABLE, "").split())
     code = b"\0".join(path.name.encode() + b"\0" + path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.[ch]")))
-    key = hashlib.sha256(b"\0".join([code, " ".join(CFLAGS).encode(), _compiler_version(compiler), _cpu_flags()]))
+    key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), _compiler_version(compiler), _cpu_flags()]))
     target = _cache_dir() / f"pagedserve_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        command = [compiler, *CFLAGS, *map(str, sources), "-o", str(built), "-lm"]
+        command = [compiler, *flags, *map(str, sources), "-o", str(built), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed on {SOURCE_DIR}: {result.stderr.strip()[-2000:]}")

@@ -8,8 +8,14 @@ csrc/q5_linear.c and csrc/kquant_low_bits.c, which those two look up): a few tok
 each block as it streams past; from 16 tokens (prefill, where the product is bound by arithmetic, not by bytes)
 rows are dequantized a few at a time into float32 register tiles (csrc/dequantized_tiles.c), so no float32
 copy of the whole weight ever exists. Without the compiled library, ROW_TILE rows at a time are dequantized
-into torch's matmul. The torch reference (`dequantize`, `quantize`) is in kernels/quantized_reference.py; both
-modules' names are importable from here.
+into torch's matmul.
+
+activation_dtype "int8" quantizes a call's x to 8 bits a block of 32 and multiplies by integer dot products
+(csrc/int8_linear.c, as llama.cpp does): faster for a few tokens (INT8_MAX_TOKENS), no longer the float32
+product of the dequantized weight. "int16" does the same with 16-bit integers: x to ~1e-5, nearly as fast.
+From INT8_MAX_TOKENS tokens, and for formats without such a kernel, the float32 path runs whatever the setting.
+The torch reference (`dequantize`, `quantize`) is in
+kernels/quantized_reference.py (int8: kernels/int8_reference.py); both modules' names are importable from here.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ from pagedserve.kernels.cpu_native import native_function
 from pagedserve.kernels.quantized_reference import dequantize, dequantize_rows, quantize
 
 __all__ = [
+    "ACTIVATION_DTYPES",
     "BLOCK",
     "FORMATS",
+    "INT8_MAX_TOKENS",
     "ROW_TILE",
     "SUPER_BLOCK",
     "BlockFormat",
@@ -42,6 +50,7 @@ __all__ = [
     "block_format",
     "dequantize",
     "dequantize_kernel",
+    "int8_linear_kernel",
     "lookup_rows",
     "quantize",
     "quantized_linear",
@@ -50,21 +59,32 @@ __all__ = [
 ]
 
 ROW_TILE = 256  # rows dequantized at a time without the kernels: a 256 x 1536 float32 tile is 1.5 MiB
+ACTIVATION_DTYPES = ("float32", "int8", "int16")
+# Tokens from which integer activations give way to the float32 path (benchmarks/int8_activations.py: 1.2-1.8x
+# the float32 path's speed at one token, about even at 2-3, slower from 4, where the float32 kernels dequantize
+# each block once for every token and the integer ones unpack it again for each).
+INT8_MAX_TOKENS = 3
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    activation_dtype: str = "float32",
 ) -> torch.Tensor:
     """x [T, in] @ W^T + bias -> [T, out], float32, on the CPU.
 
     x may be token-major or feature-major (a transposed view); the kernel reads it token-major, copying a
     feature-major x of more than one token. `out` (float32 [T, out], either layout) receives the result where
     given, so a caller may ask for the feature-major layout; otherwise a new token-major tensor does.
+    activation_dtype "int8" / "int16": x quantized to 8 / 16 bits where a kernel takes it (see above).
     """
     _check_operands(x, weight, bias, out)
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0])
-    kernel = quantized_linear_kernel()
+    kernel = _kernel_for(x, weight, activation_dtype)
     if kernel is not None and not x.requires_grad:
         return kernel(x, weight, bias, out)
     return tiled_linear(x, weight, bias, out)
@@ -108,6 +128,34 @@ def _check_operands(
 
 
 QuantizedLinear = Callable[[torch.Tensor, QuantizedWeight, torch.Tensor | None, torch.Tensor], torch.Tensor]
+
+
+def _kernel_for(x: torch.Tensor, weight: QuantizedWeight, activation_dtype: str) -> QuantizedLinear | None:
+    """The int8 kernel where asked for and it takes this product; else the float32 one (None: no library)."""
+    if activation_dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"activation_dtype must be one of {ACTIVATION_DTYPES}, got {activation_dtype!r}")
+    if activation_dtype != "float32" and x.shape[0] < INT8_MAX_TOKENS and weight.qtype in int8_formats():
+        return int8_linear_kernel(activation_dtype == "int16") or quantized_linear_kernel()
+    return quantized_linear_kernel()
+
+
+@functools.cache
+def int8_linear_kernel(sixteen_bits: bool = False) -> QuantizedLinear | None:
+    """csrc/int8_linear.c's product with x quantized to 8 bits (or 16), for every format of int8_formats(); None
+    where the library cannot be built."""
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    argtypes = [pointer, i64, i64, pointer, i64, pointer, pointer, i64, i64, i64, i32, i32]
+    function = native_function("int16_linear_f32" if sixteen_bits else "int8_linear_f32", argtypes)
+    return None if function is None else functools.partial(_native_linear, {BLOCK: function, SUPER_BLOCK: function})
+
+
+@functools.cache
+def int8_formats() -> frozenset[str]:
+    """The formats csrc/int8_linear.c multiplies (none without the library)."""
+    supports = native_function("int8_linear_supports", [ctypes.c_int])
+    if supports is None:
+        return frozenset()
+    return frozenset(name for name, fmt in FORMATS.items() if supports(fmt.ggml_type))
 
 
 NativeFunctions = dict[int, Callable[..., int]]  # a block's weights (BLOCK, SUPER_BLOCK) -> the C function for it

@@ -1,6 +1,7 @@
 """The decoder layers as one native call (engine/worker/native_decoder.py) against the model's modules: the same
 kernels in the same order, so the same tokens and logprobs within float32 rounding (the modules keep a small
-batch feature-major, and the norms then sum each token's features in another order)."""
+batch feature-major, and the norms then sum each token's features in another order). On float32 activations,
+but for the tests of 8-bit ones at the end."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import transformers
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.kernels.quantized import INT8_MAX_TOKENS
 from tests.conftest import TINY_COMMON
 
+FLOAT32 = "float32"
 PROMPTS = [list(range(100, 108)), list(range(300, 340)), list(range(1000, 1003))]
 _ids = itertools.count()
 
@@ -57,7 +60,7 @@ def both_ways(engine: LLMEngine, prompts: list[list[int]]) -> tuple[Outputs, Out
 def test_native_forward_generates_what_the_modules_do(
     tiny_model_dir: Callable[[str], Path], family: str, qtype: str
 ) -> None:
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(family)), quantization=qtype))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(family)), quantization=qtype, activation_dtype=FLOAT32))
     for prompts in [[prompt] for prompt in PROMPTS] + [PROMPTS]:  # one stream at a time, then a batch
         native, modules = both_ways(engine, prompts)
         for i in native:
@@ -68,6 +71,7 @@ def test_native_forward_generates_what_the_modules_do(
 def test_native_forward_takes_chunked_prefill(tiny_model_dir: Callable[[str], Path]) -> None:
     """Chunks of 16 tokens: their rows go through the native forward too (the prompt of 40 through both)."""
     config = EngineConfig(model=str(tiny_model_dir("llama")), quantization="q4_1", max_num_batched_tokens=16)
+    config = config.replace(activation_dtype=FLOAT32)
     engine = LLMEngine(config)
     native, modules = both_ways(engine, PROMPTS)
     assert {i: tokens for i, (tokens, _) in native.items()} == {i: tokens for i, (tokens, _) in modules.items()}
@@ -96,8 +100,51 @@ def k_quant_sized_llama(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
 def test_native_forward_takes_k_quants(k_quant_sized_llama: Path, qtype: str) -> None:
-    engine = LLMEngine(EngineConfig(model=str(k_quant_sized_llama), quantization=qtype))
+    engine = LLMEngine(EngineConfig(model=str(k_quant_sized_llama), quantization=qtype, activation_dtype=FLOAT32))
     native, modules = both_ways(engine, PROMPTS)
     for i in native:
         assert native[i][0] == modules[i][0]
         assert native[i][1] == pytest.approx(modules[i][1], abs=1e-4)
+
+
+# --- 8-bit activations --------------------------------------------------------------------------------------
+
+
+def assert_integer_path_follows_the_modules(engine: LLMEngine, dtype: str) -> None:
+    """Both paths on integer activations: the same tokens, and logprobs as close as the roundings of x allow
+    (decided on float32 inputs that differ by rounding between the paths, one may land a step apart). And not the
+    float32 path's logprobs: the native forward does quantize. Two prompts: decode steps of two tokens, fewer than
+    INT8_MAX_TOKENS."""
+    decoder = engine.runner.model.native_decoder
+    assert decoder is not None and decoder.int8_max_tokens == INT8_MAX_TOKENS
+    prompts = PROMPTS[:2]
+    native, modules = both_ways(engine, prompts)
+    engine.runner.model.backend.activation_dtype = FLOAT32
+    decoder.int8_max_tokens = 0
+    try:
+        float32, _ = both_ways(engine, prompts)
+    finally:
+        engine.runner.model.backend.activation_dtype = dtype
+        decoder.int8_max_tokens = INT8_MAX_TOKENS
+    for i in native:
+        assert native[i][0] == modules[i][0]
+        assert native[i][1] == pytest.approx(modules[i][1], abs=1e-2 if dtype == "int8" else 1e-4)
+        assert native[i][1] != pytest.approx(float32[i][1], abs=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16"])
+@pytest.mark.parametrize(("family", "qtype"), [("llama", "q4_0"), ("qwen2", "q8_0"), ("mistral", "q4_1")])
+def test_native_forward_takes_integer_activations(
+    tiny_model_dir: Callable[[str], Path], family: str, qtype: str, dtype: str
+) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(family)), quantization=qtype, activation_dtype=dtype))
+    assert_integer_path_follows_the_modules(engine, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16"])
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
+def test_native_forward_takes_integer_activations_with_k_quants(
+    k_quant_sized_llama: Path, qtype: str, dtype: str
+) -> None:
+    engine = LLMEngine(EngineConfig(model=str(k_quant_sized_llama), quantization=qtype, activation_dtype=dtype))
+    assert_integer_path_follows_the_modules(engine, dtype)

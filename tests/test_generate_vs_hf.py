@@ -1,4 +1,7 @@
-"""Greedy output of the embedded SmolLM2 is token-for-token transformers' `generate`, however it is batched."""
+"""Greedy output of the embedded SmolLM2 is token-for-token transformers' `generate`, however it is batched.
+
+On float32 activations (FLOAT32): 8-bit ones (activation_dtype int8, the CPU's default) no longer compute the
+dequantized model transformers runs; benchmarks/teacher_forcing.py measures how far they move its tokens."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ QUESTIONS = [
     "Keep it under a hundred words.",
 ]
 MAX_TOKENS = 24
+FLOAT32 = "float32"
 
 
 @pytest.fixture(scope="module")
@@ -71,26 +75,31 @@ def test_prompt_lengths_differ(prompts: list[list[int]]) -> None:
 
 
 def test_batched_greedy_matches_transformers(smol_loaded, prompts, reference) -> None:
-    engine = LLMEngine(EngineConfig(model=str(smol_loaded.model_dir)), loaded=smol_loaded)
+    engine = LLMEngine(EngineConfig(model=str(smol_loaded.model_dir), activation_dtype=FLOAT32), loaded=smol_loaded)
     assert run_engine(engine, prompts) == reference
 
 
 def test_chunked_prefill_matches_transformers(smol_loaded, prompts, reference) -> None:
-    engine = LLMEngine(EngineConfig(model=str(smol_loaded.model_dir), max_num_batched_tokens=16), loaded=smol_loaded)
+    config = EngineConfig(model=str(smol_loaded.model_dir), max_num_batched_tokens=16, activation_dtype=FLOAT32)
+    engine = LLMEngine(config, loaded=smol_loaded)
     assert run_engine(engine, prompts) == reference
     assert engine.stats.num_steps > sum(len(p) for p in prompts) // 16  # prompts really were split
 
 
 def test_preemption_matches_transformers(smol_loaded, prompts, reference) -> None:
     # 20 blocks of 16 tokens hold about two requests at a time: the rest must be preempted and recomputed.
-    config = EngineConfig(model=str(smol_loaded.model_dir), num_kv_blocks=20, enable_prefix_caching=False)
+    config = EngineConfig(
+        model=str(smol_loaded.model_dir), num_kv_blocks=20, enable_prefix_caching=False, activation_dtype=FLOAT32
+    )
     engine = LLMEngine(config, loaded=smol_loaded)
     assert run_engine(engine, prompts) == reference
     assert engine.scheduler.num_preemptions > 0
 
 
 def test_preemption_with_prefix_cache_matches_transformers(smol_loaded, prompts, reference) -> None:
-    config = EngineConfig(model=str(smol_loaded.model_dir), num_kv_blocks=20, max_num_batched_tokens=64)
+    config = EngineConfig(
+        model=str(smol_loaded.model_dir), num_kv_blocks=20, max_num_batched_tokens=64, activation_dtype=FLOAT32
+    )
     engine = LLMEngine(config, loaded=smol_loaded)
     assert run_engine(engine, prompts) == reference
     assert engine.scheduler.num_preemptions > 0

@@ -114,7 +114,7 @@ def test_greedy_tokens_equal_transformers_reading_the_same_file(family_file: Pat
         expected.append(output[0, len(prompt) :].tolist())
     assert all(len(set(tokens)) > 3 for tokens in expected), "a model that repeats one token would test little"
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    config = EngineConfig(model=str(family_file), num_kv_blocks=32, engine_process=False)
+    config = EngineConfig(model=str(family_file), num_kv_blocks=32, engine_process=False, activation_dtype="float32")
     loaded = load_model(config)
     assert isinstance(loaded.model.layers[0].self_attn.qkv_proj.quantized, QuantizedWeight)  # blocks, as stored
     with LLM.from_config(config, loaded) as llm:

@@ -65,7 +65,9 @@ def test_greedy_tokens_equal_the_dequantized_models(smol_loaded: LoadedModel, fl
     }
 
     def generate(loaded: LoadedModel) -> dict[str, dict]:
-        engine = LLMEngine(EngineConfig(model=str(loaded.model_dir), num_kv_blocks=64), loaded=loaded)
+        engine = LLMEngine(
+            EngineConfig(model=str(loaded.model_dir), num_kv_blocks=64, activation_dtype="float32"), loaded=loaded
+        )
         params = {
             name: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for name, (_, n) in prompts.items()
         }

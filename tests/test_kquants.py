@@ -294,7 +294,9 @@ def test_greedy_tokens_equal_the_dequantized_models(stored_and_float: tuple[Load
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
     def generate(loaded: LoadedModel) -> list[list[int]]:
-        config = EngineConfig(model=str(loaded.model_dir), num_kv_blocks=64, engine_process=False)
+        config = EngineConfig(
+            model=str(loaded.model_dir), num_kv_blocks=64, engine_process=False, activation_dtype="float32"
+        )
         with LLM.from_config(config, loaded) as llm:
             alone = llm.generate(prompts[:1], params, use_tqdm=False)
             together = llm.generate(prompts, params, use_tqdm=False)

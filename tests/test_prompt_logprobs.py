@@ -51,7 +51,9 @@ def reference(smol_dir: Path, prompt: list[int]) -> torch.Tensor:
 
 
 def engine_for(loaded: LoadedModel, **config: object) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(loaded.model_dir), num_kv_blocks=64, **config), loaded=loaded)  # type: ignore[arg-type]
+    """Float32 activations: the scores are transformers' (8-bit ones would not be)."""
+    settings = dict(model=str(loaded.model_dir), num_kv_blocks=64, activation_dtype="float32", **config)
+    return LLMEngine(EngineConfig(**settings), loaded=loaded)  # type: ignore[arg-type]
 
 
 def scored(deltas: list, index: int = 0) -> torch.Tensor:
@@ -179,7 +181,9 @@ def test_max_tokens_0_needs_n_1() -> None:
 @pytest.fixture(scope="module")
 def url(smol_loaded: LoadedModel) -> Iterator[str]:
     with served_engine(
-        EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32), smol_loaded, ServerSettings([MODEL])
+        EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32, activation_dtype="float32"),
+        smol_loaded,
+        ServerSettings([MODEL]),
     ) as url:
         yield url
 

@@ -60,6 +60,13 @@ def test_invalid_engine_config_names_the_field(field: str, value: object, rule: 
         EngineConfig(**{field: value})
 
 
+def test_activation_dtype_flag() -> None:
+    assert engine_config(parse("serve", "--activation-dtype", "int8")).activation_dtype == "int8"
+    assert engine_config(parse("serve")).activation_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parse("serve", "--activation-dtype", "int4")
+
+
 def test_serve_options() -> None:
     args = parse("serve", "my/model", "--served-model-name", "a", "b", "--api-key", "k", "--port", "9000")
     assert engine_config(args, model=args.model_path).model == "my/model"

@@ -23,6 +23,7 @@ from pagedserve.engine.worker.kv_sizing import KVCachePlan, plan_kv_cache
 from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.model_loader import load_model, resolve_device
 from pagedserve.engine.worker.model_runner import ModelRunner
+from pagedserve.engine.worker.native_decoder import use_activation_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class ModelExecutor:
             self.workers = TensorParallelWorkers.start(config, resolve_device(config.device))
         try:
             self.loaded = loaded or self._load()
+            use_activation_dtype(self.loaded.backend, config.activation_dtype)
             openmp_policy.warn_if_set_too_late(self.loaded.device.type)
             threads = threads_per_rank(config, self.loaded.device)
             if threads:

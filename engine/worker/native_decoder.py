@@ -7,6 +7,10 @@ where every op it composes applies: float32 on the CPU with the native library, 
 format, no q/k norms, and a step whose every query row the native attention kernel
 takes (decode rows, and prefill chunks of sequences the kernel attends faster than SDPA), of at most
 MAX_TOKENS tokens, which bounds the step's scratch memory. Elsewhere the model's modules run as before.
+
+Both paths multiply with the activations the backend's `activation_dtype` names (EngineConfig.activation_dtype,
+set by `use_activation_dtype`): 8- or 16-bit ones for steps of fewer than INT8_MAX_TOKENS tokens where it says
+int8 or int16.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from pagedserve.kernels import AttentionMetadata, RotaryAngles
+from pagedserve.kernels.backend import KernelBackend
 from pagedserve.kernels.cpu_attention import plan_attention
+from pagedserve.kernels.cpu_backend import CpuBackend
 from pagedserve.kernels.cpu_native import VECTOR_LANES, native_function
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
-from pagedserve.kernels.quantized import FORMATS, QuantizedWeight
+from pagedserve.kernels.quantized import FORMATS, INT8_MAX_TOKENS, QuantizedWeight, int8_linear_kernel
 
 if TYPE_CHECKING:
     from pagedserve.engine.worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
@@ -65,6 +71,8 @@ class _Model(ctypes.Structure):
         ("scale", _f32),
         ("layers", ctypes.POINTER(_Layer)),
         ("final_norm", _pointer),
+        ("int8_max_tokens", _i64),
+        ("activation_bits", _i64),
     ]
 
 
@@ -99,6 +107,7 @@ class CpuDecoder:
             )
         )
         k_cache = caches[0][0]
+        activation_dtype = getattr(model.backend, "activation_dtype", "float32")
         self._model = _Model(
             num_layers=spec.num_layers,
             hidden=spec.hidden_size,
@@ -112,7 +121,18 @@ class CpuDecoder:
             scale=attention.scale,
             layers=self._layers,
             final_norm=model.norm.weight.data_ptr(),
+            int8_max_tokens=0 if activation_dtype == "float32" else INT8_MAX_TOKENS,
+            activation_bits=16 if activation_dtype == "int16" else 8,
         )
+
+    @property
+    def int8_max_tokens(self) -> int:
+        """Steps of fewer tokens multiply integer activations (0: none do)."""
+        return int(self._model.int8_max_tokens)
+
+    @int8_max_tokens.setter
+    def int8_max_tokens(self, tokens: int) -> None:
+        self._model.int8_max_tokens = tokens
 
     def forward(
         self, embeddings: torch.Tensor, angles: RotaryAngles, metadata: AttentionMetadata
@@ -149,6 +169,20 @@ class CpuDecoder:
         if status != 0:
             raise MemoryError(f"decoder_forward failed ({status})")
         return out
+
+
+def use_activation_dtype(backend: KernelBackend, setting: str) -> str:
+    """Sets the CPU backend's activation dtype from EngineConfig.activation_dtype and returns it: "auto" is int16
+    where the integer kernels are built (benchmarks/int8_activations.py: faster than float32 at decode;
+    benchmarks/teacher_forcing.py: float32's tokens, where int8 moves ~2% of them), "float32" elsewhere. Other
+    backends multiply float activations whatever the setting."""
+    if not isinstance(backend, CpuBackend):
+        return "float32"
+    chosen = setting
+    if setting == "auto":
+        chosen = "int16" if int8_linear_kernel(sixteen_bits=True) is not None else "float32"
+    backend.activation_dtype = chosen
+    return chosen
 
 
 def bind_kv_caches(model: LlamaForCausalLM, caches: list[KVCache]) -> None:

@@ -34,6 +34,10 @@ int quantized_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const flo
                          int num_threads);
 int kquant_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx, const uint8_t *w,
                       const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type, int num_threads);
+int int8_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx, const uint8_t *w,
+                    const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type, int num_threads);
+int int16_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx, const uint8_t *w,
+                     const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type, int num_threads);
 int write_kv_f32(float *k_cache, float *v_cache, const float *key, const float *value, const int64_t *slots,
                  int64_t tokens, int64_t features, int64_t token_stride, int64_t feature_stride, int64_t num_slots);
 int paged_decode_attention_f32(float *out, const float *query, const float *k_cache, const float *v_cache,
@@ -63,6 +67,8 @@ typedef struct {
     float eps, scale;
     const decoder_layer *layers;
     const float *final_norm;
+    int64_t int8_max_tokens; /* steps of fewer tokens quantize activations (int8_linear.c); 0: never */
+    int64_t activation_bits; /* to 8 or 16 bits */
 } decoder_model;
 
 /* One step's positions and attention work, as the CPU backend plans it (kernels/cpu_attention.py). */
@@ -105,9 +111,15 @@ static float *scratch_alloc(scratch *s, const decoder_model *m, int64_t tokens) 
 }
 
 /* y [tokens, out] = x [tokens, in] @ W^T (+ bias), token-major, by the kernel that reads W's type: each returns
- * -1, having done nothing, for a type it does not read. */
+ * -1, having done nothing, for a type it does not read. `int8`: by int8_linear.c's where it reads the type,
+ * with x quantized to 8 bits (int8 = 8) or 16 (int8 = 16). */
 static int project(float *y, const float *x, block_weight w, const float *bias, int64_t tokens, int64_t out,
-                   int64_t in, int threads) {
+                   int64_t in, int threads, int int8) {
+    if (int8) {
+        const int status = (int8 == 16 ? int16_linear_f32 : int8_linear_f32)(y, out, 1, x, in, w.blocks, bias, tokens,
+                                                                             out, in, w.type, threads);
+        if (status != -1) return status;
+    }
     const int status = quantized_linear_f32(y, out, 1, x, in, w.blocks, bias, tokens, out, in, w.type, threads);
     if (status != -1) return status;
     return kquant_linear_f32(y, out, 1, x, in, w.blocks, bias, tokens, out, in, w.type, threads);
@@ -139,19 +151,20 @@ static int layer_forward(const decoder_model *m, const decoder_layer *layer, con
                          float *residual, const float *delta, scratch *s, int threads) {
     const int64_t tokens = step->tokens, hidden = m->hidden, inter = m->intermediate;
     const int64_t q_size = m->num_heads * m->head_dim, width = q_size + 2 * m->num_kv_heads * m->head_dim;
+    const int int8 = tokens < m->int8_max_tokens ? (int)m->activation_bits : 0;
     int status;
     add_rms_norm_f32(s->normed, residual, delta, layer->input_norm, tokens, hidden, hidden, 1, m->eps, threads);
-    if ((status = project(s->qkv, s->normed, layer->qkv, layer->qkv_bias, tokens, width, hidden, threads)))
+    if ((status = project(s->qkv, s->normed, layer->qkv, layer->qkv_bias, tokens, width, hidden, threads, int8)))
         return status;
     if ((status = attend(m, layer, step, s, threads))) return status;
-    if ((status = project(s->projected, s->attention, layer->o, NULL, tokens, hidden, q_size, threads)))
+    if ((status = project(s->projected, s->attention, layer->o, NULL, tokens, hidden, q_size, threads, int8)))
         return status;
     add_rms_norm_f32(s->normed, residual, s->projected, layer->post_attention_norm, tokens, hidden, hidden, 1,
                      m->eps, threads);
-    if ((status = project(s->gate_up, s->normed, layer->gate_up, NULL, tokens, 2 * inter, hidden, threads)))
+    if ((status = project(s->gate_up, s->normed, layer->gate_up, NULL, tokens, 2 * inter, hidden, threads, int8)))
         return status;
     silu_and_mul_f32(s->activated, s->gate_up, s->gate_up + inter, tokens, inter, 2 * inter, inter, threads);
-    return project(s->mlp, s->activated, layer->down, NULL, tokens, hidden, inter, threads);
+    return project(s->mlp, s->activated, layer->down, NULL, tokens, hidden, inter, threads, int8);
 }
 
 /*

@@ -25,6 +25,7 @@ from pagedserve.engine.worker.distributed.rendezvous import Rendezvous, connect_
 from pagedserve.engine.worker.kv_caches import allocate_kv_caches
 from pagedserve.engine.worker.model_loader import LoadedModel, load_model, resolve_device
 from pagedserve.engine.worker.model_runner import ShardRunner
+from pagedserve.engine.worker.native_decoder import use_activation_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class Follower:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, group: TensorParallelGroup) -> None:
         self.config = config
         self.loaded = loaded
+        use_activation_dtype(loaded.backend, config.activation_dtype)
         self.group = group
         self.runner: ShardRunner | None = None
 

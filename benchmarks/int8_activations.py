@@ -1,0 +1,148 @@
+"""Block-format products with float32 against 8- and 16-bit activations (kernels/quantized.py's activation_dtype),
+per format, at a 1B-parameter Llama's shapes, with the machine's copy bandwidth measured in the same run.
+
+Each format's weights are four decoder layers of Llama-3.2-1B's shape (hidden 2048, 8 KV heads of 64, FFN
+8192: q/k/v fused 3072 x 2048, o 2048 x 2048, gate/up fused 16384 x 2048, down 2048 x 8192), in memory of their
+own (132-250 MiB: far past the last-level cache, so every product streams its weight from memory as a decode
+step does). The paths alternate (float32, int8, int16, float32, ...) so that a shared machine's slow moments hit
+both; the figure is the weights' bytes over the median time of one pass over the four layers. Token counts 1
+(one stream's decode step) and up: kernels/quantized.py's INT8_MAX_TOKENS is where the integer kernels stop
+being faster. The kernels are called directly, at every token count.
+
+Copy bandwidth: a 256 MiB torch copy on the same threads, as bytes read per second (what a weight stream is;
+a copy also writes as many).
+
+    python -m benchmarks.int8_activations [--tokens 1,4,8] [--formats q4_0,q8_0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the engine sets it (engine/openmp_policy.py)
+
+import torch
+
+from benchmarks.quantized_linear import cpu_model
+from pagedserve.kernels.cpu_native import native_function
+from pagedserve.kernels.quantized import (
+    QuantizedLinear,
+    QuantizedWeight,
+    int8_linear_kernel,
+    quantize,
+    quantized_linear_kernel,
+)
+
+LAYER = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))
+NUM_LAYERS = 4
+FORMATS = ("q4_0", "q8_0", "q4_1", "q4_k", "q5_k", "q6_k")
+TOKENS = (1, 2, 3, 4, 8, 15)
+SAMPLES = 9
+COPY_BYTES = 256 << 20
+KERNEL_PATHS = {0: "portable C", 1: "AVX2", 2: "AVX-512 VNNI"}
+
+
+def layers_of(qtype: str) -> list[QuantizedWeight]:
+    """NUM_LAYERS layers of `qtype` weights: 256 quantized rows of each width, repeated to each shape's rows
+    (the contents do not change the time, only the bytes do)."""
+    generator = torch.Generator().manual_seed(0)
+    rows = {k: quantize(torch.randn(256, k, generator=generator) * 0.02, qtype) for k in {k for _, k in LAYER}}
+    weights = []
+    for _ in range(NUM_LAYERS):
+        for out_features, in_features in LAYER:
+            blocks = rows[in_features].blocks.repeat(out_features // 256, 1)
+            weights.append(QuantizedWeight(qtype, blocks, (out_features, in_features)))
+    return weights
+
+
+def kernel_of(activation_dtype: str) -> QuantizedLinear:
+    """The kernel itself, at any token count (quantized_linear takes the integer ones below INT8_MAX_TOKENS)."""
+    kernel = (
+        quantized_linear_kernel() if activation_dtype == "float32" else int8_linear_kernel(activation_dtype == "int16")
+    )
+    assert kernel is not None
+    return kernel
+
+
+def pass_seconds(weights: list[QuantizedWeight], x: dict[int, torch.Tensor], activation_dtype: str) -> float:
+    kernel = kernel_of(activation_dtype)
+    outs = {w.shape: torch.empty(x[w.shape[1]].shape[0], w.shape[0]) for w in weights}
+    start = time.perf_counter()
+    for weight in weights:
+        kernel(x[weight.shape[1]], weight, None, outs[weight.shape])
+    return time.perf_counter() - start
+
+
+DTYPES = ("float32", "int8", "int16")
+
+
+def gb_per_second(weights: list[QuantizedWeight], tokens: int) -> list[float]:
+    """Weight bytes per second over all layers for each of DTYPES, interleaved medians."""
+    x = {k: torch.randn(tokens, k) for k in {w.shape[1] for w in weights}}
+    times: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
+    for dtype in times:
+        pass_seconds(weights, x, dtype)  # warm-up
+    for _ in range(SAMPLES):
+        for dtype, elapsed in times.items():
+            elapsed.append(pass_seconds(weights, x, dtype))
+    nbytes = sum(w.nbytes for w in weights)
+    return [nbytes / statistics.median(times[dtype]) / 1e9 for dtype in DTYPES]
+
+
+def copy_gb_per_second() -> float:
+    """Bytes read per second by a large torch copy (median of a few)."""
+    source = torch.ones(COPY_BYTES, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    times = []
+    for _ in range(SAMPLES):
+        start = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - start)
+    return COPY_BYTES / statistics.median(times) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if int8_linear_kernel() is None:
+        raise SystemExit("the native kernels could not be built (no C compiler?)")
+    torch.set_num_threads(args.threads)
+    path = native_function("int8_kernel_path", [])
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_before = os.getloadavg()[0]
+    copy_before = copy_gb_per_second()
+    rows = []
+    for qtype in args.formats.split(","):
+        weights = layers_of(qtype)
+        for tokens in map(int, args.tokens.split(",")):
+            rows.append((qtype, tokens, *gb_per_second(weights, tokens)))
+        del weights
+    copy_after = copy_gb_per_second()
+    print(f"{cpu_model()}, {os.cpu_count()} cores, {args.threads} threads; torch {torch.__version__}")
+    print(f"int8 kernels: {KERNEL_PATHS[path()] if path else '?'}")
+    print(
+        f"{started:%Y-%m-%d %H:%M} UTC; 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
+    )
+    print(f"copy bandwidth: {copy_before:.1f} GB/s read (before), {copy_after:.1f} (after)\n")
+    print(
+        "| format | tokens | float32 GB/s | int8 GB/s | int16 GB/s | int8 / float32 | int16 / float32 | int16 / copy |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    copy = max(copy_before, copy_after)
+    for qtype, tokens, float_gbs, int8_gbs, int16_gbs in rows:
+        print(
+            f"| {qtype.upper()} | {tokens} | {float_gbs:.1f} | {int8_gbs:.1f} | {int16_gbs:.1f} | "
+            f"{int8_gbs / float_gbs:.2f} | {int16_gbs / float_gbs:.2f} | {int16_gbs / copy:.0%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

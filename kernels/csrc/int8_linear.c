@@ -1,0 +1,157 @@
+/*
+ * y = x @ W^T + bias for a few tokens with W in a block format and x quantized to 8 bits, for the CPU: the
+ * product llama.cpp computes (ggml's vec_dot of a weight type with Q8_0 / Q8_K activations).
+ *
+ * quantized_linear.c and kquant_linear.c keep x in float32 and turn each weight block into floats: per weight,
+ * a conversion and a multiply-add, which at one token is more work than the memory system needs to deliver the
+ * block (one stream of a 1B-parameter Q4_0 model read ~10.5 GB/s of weights where llama.cpp reads ~17). Here
+ * each token's x is quantized once per call (q8_activations.c) and a block meets it in byte dot products:
+ * 32 weights in a few instructions, integer and exact, scaled once per 32 (int8_dot_blocks.c,
+ * int8_dot_kquants.c). The price is x's rounding to 8 bits per block of 32 (a relative error of about 0.4% a
+ * feature), so results differ from the float32 path's by more than rounding: engine/config.py's
+ * activation_dtype chooses.
+ *
+ * Same calling convention as quantized_linear_f32. Rows split across threads as there (two sequential runs a
+ * thread for one token); each row is read from memory once and, for further tokens, from L1.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "int8_activations.h"
+#include "parallel.h"
+
+/* One weight format: ggml's type id, its block, and its row dots with 8- and 16-bit activations. */
+typedef struct {
+    int ggml_type;
+    int64_t block_weights, block_bytes;
+    int8_row_dot *dot8;
+    int16_row_dot *dot16;
+} int8_format;
+
+static const int8_format FORMATS[] = {
+    {8, 32, 34, int8_dot_q8_0, int16_dot_q8_0},    {2, 32, 18, int8_dot_q4_0, int16_dot_q4_0},
+    {3, 32, 20, int8_dot_q4_1, int16_dot_q4_1},    {12, 256, 144, int8_dot_q4_k, int16_dot_q4_k},
+    {13, 256, 176, int8_dot_q5_k, int16_dot_q5_k}, {14, 256, 210, int8_dot_q6_k, int16_dot_q6_k},
+};
+
+/* Weights a unit of parallel work holds at least when many tokens share each row (as block_rows.c). */
+enum { GRAIN_WEIGHTS = 32768 };
+
+static const int8_format *format_of(int ggml_type) {
+    for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; ++i)
+        if (FORMATS[i].ggml_type == ggml_type) return FORMATS + i;
+    return NULL;
+}
+
+typedef struct {
+    const int8_format *format;
+    float *y;
+    int64_t ldy_token, ldy_row;
+    const q8_token *tokens8;   /* one of these two: the tokens quantized to 8 or to 16 bits */
+    const q16_token *tokens16;
+    const uint8_t *w;
+    const float *bias;
+    int64_t M, blocks, row_bytes;
+} int8_job;
+
+/* Output rows [begin, end), every token. */
+static void int8_rows(void *context, int64_t begin, int64_t end) {
+    const int8_job *job = context;
+    for (int64_t n = begin; n < end; ++n) {
+        const uint8_t *row = job->w + n * job->row_bytes;
+        const float bias = job->bias ? job->bias[n] : 0.0f;
+        float *y = job->y + n * job->ldy_row;
+        if (job->tokens16)
+            for (int64_t m = 0; m < job->M; ++m)
+                y[m * job->ldy_token] = job->format->dot16(row, job->tokens16 + m, job->blocks) + bias;
+        else
+            for (int64_t m = 0; m < job->M; ++m)
+                y[m * job->ldy_token] = job->format->dot8(row, job->tokens8 + m, job->blocks) + bias;
+    }
+}
+
+/* Whether int8_linear_f32 multiplies weights of ggml type `ggml_type`. */
+int int8_linear_supports(int ggml_type) { return format_of(ggml_type) != NULL; }
+
+/* int8_linear_f32 (below) with x quantized to `bits` (8 or 16) bits. */
+static int integer_linear(int bits, float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx,
+                          const uint8_t *w, const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type,
+                          int num_threads) {
+    const int8_format *format = format_of(ggml_type);
+    if (format == NULL || K <= 0 || K % format->block_weights != 0) return -1;
+    if (M <= 0) return 0;
+    const int64_t blocks = K / Q8_BLOCK, value_bytes = bits / 8;
+    /* Scratch: each token's description, scales and sums (floats first, for their alignment), then integers. */
+    const size_t token_bytes = sizeof(q8_token) > sizeof(q16_token) ? sizeof(q8_token) : sizeof(q16_token);
+    void *scratch = malloc((size_t)M * (token_bytes + (size_t)blocks * 2 * sizeof(float) + (size_t)(K * value_bytes)));
+    if (scratch == NULL) return -2;
+    float *scales = (float *)((char *)scratch + (size_t)M * token_bytes);
+    char *ints = (char *)(scales + 2 * M * blocks);
+    q8_token *tokens8 = bits == 8 ? scratch : NULL;
+    q16_token *tokens16 = bits == 16 ? scratch : NULL;
+    for (int64_t m = 0; m < M; ++m) {
+        float *d = scales + 2 * m * blocks, *s = d + blocks;
+        void *q = ints + m * K * value_bytes;
+        if (tokens16) {
+            quantize_q16(q, d, s, x + m * ldx, K);
+            tokens16[m] = (q16_token){q, d, s};
+        } else {
+            quantize_q8(q, d, s, x + m * ldx, K);
+            tokens8[m] = (q8_token){q, d, s};
+        }
+    }
+    const int64_t row_bytes = K / format->block_weights * format->block_bytes;
+    int8_job job = {format,   y, ldy_token, ldy_row, tokens8, tokens16, w, bias, M, K / format->block_weights,
+                    row_bytes};
+    const int64_t work = K * M, least = work >= GRAIN_WEIGHTS ? 1 : GRAIN_WEIGHTS / work;
+    const int64_t grain = M == 1 ? sequential_runs_grain(N, least, num_threads) : least;
+    parallel_for(N, grain, num_threads, int8_rows, &job);
+    free(scratch);
+    return 0;
+}
+
+/*
+ * y[m, n] = sum_k W[n, k] * x8[m, k] + bias[n] (bias may be NULL), x8 = x quantized to 8 bits a block of 32
+ * (int8_activations.h), for m < M tokens and n < N rows, W in the format of ggml type id `ggml_type`, N rows of
+ * K / block weights blocks each, contiguous. x token-major (rows ldx floats apart); y written with strides
+ * ldy_token and ldy_row. Returns 0; -1 (y untouched) for a type without an int8 kernel or a K that is not a
+ * positive multiple of its block; -2 if scratch memory ran out.
+ */
+int int8_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx, const uint8_t *w,
+                    const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type, int num_threads) {
+    return integer_linear(8, y, ldy_token, ldy_row, x, ldx, w, bias, M, N, K, ggml_type, num_threads);
+}
+
+/* int8_linear_f32 with x quantized to 16 bits a block of 32 (q16_token). */
+int int16_linear_f32(float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx, const uint8_t *w,
+                     const float *bias, int64_t M, int64_t N, int64_t K, int ggml_type, int num_threads) {
+    return integer_linear(16, y, ldy_token, ldy_row, x, ldx, w, bias, M, N, K, ggml_type, num_threads);
+}
+
+/* The 8-bit quantization of x [M, K] (rows ldx floats apart) that int8_linear_f32 multiplies by, into q [M, K],
+ * d and s [M, K / 32], for tests to check against a reference. Returns 0, or -1 for a K not a multiple of 32. */
+int quantize_q8_f32(int8_t *q, float *d, float *s, const float *x, int64_t ldx, int64_t M, int64_t K) {
+    if (K <= 0 || K % Q8_BLOCK != 0) return -1;
+    for (int64_t m = 0; m < M; ++m)
+        quantize_q8(q + m * K, d + m * (K / Q8_BLOCK), s + m * (K / Q8_BLOCK), x + m * ldx, K);
+    return 0;
+}
+
+/* The instruction set this build's int8 kernels use: 2 AVX-512 VNNI, 1 AVX2, 0 portable C. */
+int int8_kernel_path(void) {
+#if defined(INT8_VNNI)
+    return 2;
+#elif defined(INT8_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* quantize_q8_f32 to 16 bits. */
+int quantize_q16_f32(int16_t *q, float *d, float *s, const float *x, int64_t ldx, int64_t M, int64_t K) {
+    if (K <= 0 || K % Q8_BLOCK != 0) return -1;
+    for (int64_t m = 0; m < M; ++m)
+        quantize_q16(q + m * K, d + m * (K / Q8_BLOCK), s + m * (K / Q8_BLOCK), x + m * ldx, K);
+    return 0;
+}
