@@ -6,7 +6,7 @@ but for the tests of 8-bit ones at the end."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,9 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.kernels.quantized import INT8_MAX_TOKENS
+from pagedserve.kernels.stacked_weight import RowStackedWeight
 from tests.conftest import TINY_COMMON
+from tests.test_kquants import write_tiny_gguf
 
 FLOAT32 = "float32"
 PROMPTS = [list(range(100, 108)), list(range(300, 340)), list(range(1000, 1003))]
@@ -101,6 +103,28 @@ def k_quant_sized_llama(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
 def test_native_forward_takes_k_quants(k_quant_sized_llama: Path, qtype: str) -> None:
     engine = LLMEngine(EngineConfig(model=str(k_quant_sized_llama), quantization=qtype, activation_dtype=FLOAT32))
+    native, modules = both_ways(engine, PROMPTS)
+    for i in native:
+        assert native[i][0] == modules[i][0]
+        assert native[i][1] == pytest.approx(modules[i][1], abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def mixed_qkv_gguf(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Iterator[Path]:
+    """A tiny Llama GGUF whose v projections are Q6_K and the rest Q4_K, as in a Q4_K_M file."""
+    folder = tmp_path_factory.mktemp("mixed-qkv")
+    path = folder / "tiny-mixed-qkv.gguf"
+    write_tiny_gguf(path, smol_dir, {"blk.0.attn_v": "Q6_K", "blk.1.attn_v": "Q6_K", "token_embd": "Q6_K"})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGEDSERVE_CACHE_DIR", str(folder / "cache"))
+        yield path
+
+
+def test_native_forward_takes_q_k_v_of_different_formats(mixed_qkv_gguf: Path) -> None:
+    """q and k in Q4_K, v in Q6_K: three products into one output, in the native call as in the modules."""
+    engine = LLMEngine(EngineConfig(model=str(mixed_qkv_gguf), activation_dtype=FLOAT32))
+    qkv = engine.runner.model.layers[0].self_attn.qkv_proj.quantized
+    assert isinstance(qkv, RowStackedWeight) and [part.qtype for part in qkv.parts] == ["q4_k", "q4_k", "q6_k"]
     native, modules = both_ways(engine, PROMPTS)
     for i in native:
         assert native[i][0] == modules[i][0]

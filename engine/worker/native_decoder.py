@@ -28,6 +28,7 @@ from pagedserve.kernels.cpu_backend import CpuBackend
 from pagedserve.kernels.cpu_native import VECTOR_LANES, native_function
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.quantized import FORMATS, INT8_MAX_TOKENS, QuantizedWeight, int8_linear_kernel
+from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 
 if TYPE_CHECKING:
     from pagedserve.engine.worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 # The step's activations live in one scratch allocation of ~(3 hidden + qkv + 2 q + 3 intermediate) floats a
 # token: 33 KiB for SmolLM2, 200 KiB for an 8B model, so 2048 tokens take 66-400 MiB.
 MAX_TOKENS = 2048
+QKV_PARTS = 3  # q, k and v as three weights where a file stores them in different formats
 
 _pointer, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
@@ -47,10 +49,11 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _pointer),
         ("post_attention_norm", _pointer),
-        ("qkv", _BlockWeight),
+        ("qkv", _BlockWeight * QKV_PARTS),  # the fused weight in [0] (qkv_parts 1), or q, k, v (3)
         ("o", _BlockWeight),
         ("gate_up", _BlockWeight),
         ("down", _BlockWeight),
+        ("qkv_parts", _i32),
         ("qkv_bias", _pointer),
         ("k_cache", _pointer),
         ("v_cache", _pointer),
@@ -214,7 +217,10 @@ def _layer_applies(layer: torch.nn.Module) -> bool:
     if attention.q_norm is not None:
         return False
     projections = (attention.qkv_proj, attention.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    if any(not isinstance(p.quantized, QuantizedWeight) for p in projections):  # every CPU block format has a kernel
+    if any(not isinstance(p.quantized, QuantizedWeight) for p in projections[1:]):  # every CPU format has a kernel
+        return False
+    qkv = attention.qkv_proj.quantized
+    if not isinstance(qkv, QuantizedWeight) and not _qkv_parts_apply(qkv, attention):
         return False
     return all(p.bias is None for p in projections[1:])
 
@@ -229,7 +235,8 @@ def _describe(layer: LlamaDecoderLayer, cache: KVCache) -> _Layer:
     return _Layer(
         input_norm=layer.input_layernorm.weight.data_ptr(),
         post_attention_norm=layer.post_attention_layernorm.weight.data_ptr(),
-        qkv=_block_weight(attention.qkv_proj.quantized),
+        qkv=_qkv_weights(attention.qkv_proj.quantized),
+        qkv_parts=1 if isinstance(attention.qkv_proj.quantized, QuantizedWeight) else QKV_PARTS,
         o=_block_weight(attention.o_proj.quantized),
         gate_up=_block_weight(mlp.gate_up_proj.quantized),
         down=_block_weight(mlp.down_proj.quantized),
@@ -242,3 +249,18 @@ def _describe(layer: LlamaDecoderLayer, cache: KVCache) -> _Layer:
 def _block_weight(weight: AnyQuantizedWeight | None) -> _BlockWeight:
     assert isinstance(weight, QuantizedWeight)
     return _BlockWeight(blocks=weight.blocks.data_ptr(), type=FORMATS[weight.qtype].ggml_type)
+
+
+def _qkv_parts_apply(weight: ProjectionWeight | None, attention: torch.nn.Module) -> bool:
+    """q, k and v as three CPU block weights of their rows (a file that stores them in different formats)."""
+    if not isinstance(weight, RowStackedWeight) or len(weight.parts) != QKV_PARTS:
+        return False
+    q_size, kv_size = attention.q_size, attention.kv_size
+    rows = [part.shape[0] for part in weight.parts]
+    return rows == [q_size, kv_size, kv_size] and all(isinstance(part, QuantizedWeight) for part in weight.parts)
+
+
+def _qkv_weights(weight: ProjectionWeight | None) -> ctypes.Array[_BlockWeight]:
+    parts = weight.parts if isinstance(weight, RowStackedWeight) else (weight,)
+    described = [_block_weight(part) for part in parts]
+    return (_BlockWeight * QKV_PARTS)(*described, *[_BlockWeight()] * (QKV_PARTS - len(described)))

@@ -52,10 +52,16 @@ typedef struct {
     int32_t type;
 } block_weight;
 
+/* q, k and v: one weight of all their rows (qkv_parts = 1, in qkv[0]), or, where a file stores them in different
+ * formats (a Q4_K_M file's v in Q6_K, q and k in Q4_K), three weights multiplied one after another into their
+ * columns of the same output (qkv_parts = 3). */
+enum { QKV_PARTS = 3 };
+
 /* One decoder layer: its norms' weights, projections, q/k/v bias (NULL if none) and the layer's caches. */
 typedef struct {
     const float *input_norm, *post_attention_norm;
-    block_weight qkv, o, gate_up, down;
+    block_weight qkv[QKV_PARTS], o, gate_up, down;
+    int32_t qkv_parts;
     const float *qkv_bias;
     float *k_cache, *v_cache;
 } decoder_layer;
@@ -110,19 +116,42 @@ static float *scratch_alloc(scratch *s, const decoder_model *m, int64_t tokens) 
     return memory;
 }
 
-/* y [tokens, out] = x [tokens, in] @ W^T (+ bias), token-major, by the kernel that reads W's type: each returns
- * -1, having done nothing, for a type it does not read. `int8`: by int8_linear.c's where it reads the type,
- * with x quantized to 8 bits (int8 = 8) or 16 (int8 = 16). */
-static int project(float *y, const float *x, block_weight w, const float *bias, int64_t tokens, int64_t out,
-                   int64_t in, int threads, int int8) {
+/* y [tokens, out] (rows ldy floats apart) = x [tokens, in] @ W^T (+ bias), token-major, by the kernel that reads
+ * W's type: each returns -1, having done nothing, for a type it does not read. `int8`: by int8_linear.c's where
+ * it reads the type, with x quantized to 8 bits (int8 = 8) or 16 (int8 = 16). */
+static int project_into(float *y, int64_t ldy, const float *x, block_weight w, const float *bias, int64_t tokens,
+                        int64_t out, int64_t in, int threads, int int8) {
     if (int8) {
-        const int status = (int8 == 16 ? int16_linear_f32 : int8_linear_f32)(y, out, 1, x, in, w.blocks, bias, tokens,
+        const int status = (int8 == 16 ? int16_linear_f32 : int8_linear_f32)(y, ldy, 1, x, in, w.blocks, bias, tokens,
                                                                              out, in, w.type, threads);
         if (status != -1) return status;
     }
-    const int status = quantized_linear_f32(y, out, 1, x, in, w.blocks, bias, tokens, out, in, w.type, threads);
+    const int status = quantized_linear_f32(y, ldy, 1, x, in, w.blocks, bias, tokens, out, in, w.type, threads);
     if (status != -1) return status;
-    return kquant_linear_f32(y, out, 1, x, in, w.blocks, bias, tokens, out, in, w.type, threads);
+    return kquant_linear_f32(y, ldy, 1, x, in, w.blocks, bias, tokens, out, in, w.type, threads);
+}
+
+static int project(float *y, const float *x, block_weight w, const float *bias, int64_t tokens, int64_t out,
+                   int64_t in, int threads, int int8) {
+    return project_into(y, out, x, w, bias, tokens, out, in, threads, int8);
+}
+
+/* qkv [tokens, q + 2 kv] = x @ [Wq; Wk; Wv]^T + bias, from one weight or three (decoder_layer). */
+static int project_qkv(const decoder_model *m, const decoder_layer *layer, float *qkv, const float *x,
+                       int64_t tokens, int threads, int int8) {
+    const int64_t q_size = m->num_heads * m->head_dim, kv_size = m->num_kv_heads * m->head_dim;
+    const int64_t width = q_size + 2 * kv_size;
+    if (layer->qkv_parts == 1)
+        return project(qkv, x, layer->qkv[0], layer->qkv_bias, tokens, width, m->hidden, threads, int8);
+    const int64_t rows[QKV_PARTS] = {q_size, kv_size, kv_size};
+    int64_t first = 0;
+    for (int part = 0; part < QKV_PARTS; first += rows[part++]) {
+        const float *bias = layer->qkv_bias == NULL ? NULL : layer->qkv_bias + first;
+        const int status = project_into(qkv + first, width, x, layer->qkv[part], bias, tokens, rows[part], m->hidden,
+                                        threads, int8);
+        if (status) return status;
+    }
+    return 0;
 }
 
 /* Attention of the layer: rotary on q and k in place, k and v into the cache, q over the cache. */
@@ -150,12 +179,11 @@ static int attend(const decoder_model *m, const decoder_layer *layer, const deco
 static int layer_forward(const decoder_model *m, const decoder_layer *layer, const decoder_step *step,
                          float *residual, const float *delta, scratch *s, int threads) {
     const int64_t tokens = step->tokens, hidden = m->hidden, inter = m->intermediate;
-    const int64_t q_size = m->num_heads * m->head_dim, width = q_size + 2 * m->num_kv_heads * m->head_dim;
+    const int64_t q_size = m->num_heads * m->head_dim;
     const int int8 = tokens < m->int8_max_tokens ? (int)m->activation_bits : 0;
     int status;
     add_rms_norm_f32(s->normed, residual, delta, layer->input_norm, tokens, hidden, hidden, 1, m->eps, threads);
-    if ((status = project(s->qkv, s->normed, layer->qkv, layer->qkv_bias, tokens, width, hidden, threads, int8)))
-        return status;
+    if ((status = project_qkv(m, layer, s->qkv, s->normed, tokens, threads, int8))) return status;
     if ((status = attend(m, layer, step, s, threads))) return status;
     if ((status = project(s->projected, s->attention, layer->o, NULL, tokens, hidden, q_size, threads, int8)))
         return status;
