@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NoReturn
 
 import uvicorn
@@ -30,6 +29,7 @@ from pagedserve.server.http_protocol import (
 )
 from pagedserve.server.logs import LOG_FORMATS, configure_logging, uvicorn_text_logging
 from pagedserve.server.offline import LOG_LEVELS
+from pagedserve.server.settings import add_listen_args, positive
 from pagedserve.server.shutdown import ABORT_GRACE_SECONDS, DrainingServer
 from pagedserve.server.tools import AUTO_TOOL_PARSERS
 
@@ -71,8 +71,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("model_path", nargs="?", metavar="MODEL", help="same as --model")
     http = serve.add_argument_group("http")
-    http.add_argument("--host", default="127.0.0.1", help="127.0.0.1 (default) or 0.0.0.0 for every interface")
-    http.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    add_listen_args(http)
     http.add_argument(
         "--served-model-name",
         nargs="+",
@@ -102,11 +101,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="json: one object per line, a request-log line per request and uvicorn's access log too (default: text)",
     )
     http.add_argument(
-        "--max-request-bytes", type=_positive(int), default=1 << 20, help="larger bodies get 413 (default: 1 MiB)"
+        "--max-request-bytes", type=positive(int), default=1 << 20, help="larger bodies get 413 (default: 1 MiB)"
     )
     http.add_argument(
         "--header-timeout",
-        type=_positive(float),
+        type=positive(float),
         default=DEFAULT_HEADER_TIMEOUT,
         metavar="SECONDS",
         help="close a connection whose request headers are not complete this long after it opened or after its "
@@ -114,7 +113,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     http.add_argument(
         "--body-timeout",
-        type=_positive(float),
+        type=positive(float),
         default=DEFAULT_BODY_TIMEOUT,
         metavar="SECONDS",
         help="answer 408 and close a connection whose request body is not complete this long after its headers: "
@@ -122,17 +121,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     http.add_argument(
         "--max-connections",
-        type=_positive(int),
+        type=positive(int),
         default=DEFAULT_MAX_CONNECTIONS,
         metavar="N",
         help="open connections, idle ones included; more are answered 503 and closed (default: %(default)s)",
-    )
-    http.add_argument(
-        "--shutdown-timeout",
-        type=_positive(float),
-        default=30.0,
-        metavar="SECONDS",
-        help="on SIGTERM/SIGINT, how long requests in flight may run on before they are aborted (default: 30)",
     )
     chat = serve.add_argument_group("chat replies")
     chat.add_argument(
@@ -150,17 +142,6 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     add_engine_args(serve, exclude=frozenset({"served_model_name"}))
     serve.set_defaults(run=serve_command)
-
-
-def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        value = kind(text)
-        if not (math.isfinite(value) and value > 0):
-            raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its error messages
-    return parse
 
 
 def serve_command(args: argparse.Namespace) -> NoReturn:
