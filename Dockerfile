@@ -4,16 +4,21 @@
 #   docker build -t pagedserve:cpu .                               # CPU image (default), embedded SmolLM2 baked in
 #   docker build -t pagedserve:cuda --build-arg VARIANT=cuda .      # CUDA image: CUDA torch + Triton kernels
 #   docker run --rm -p 8000:8000 pagedserve:cpu                    # serves the embedded model on :8000
-#   docker run --rm --gpus all -p 8000:8000 pagedserve:cuda --host 0.0.0.0 --config configs/llama3-8b-h200.yaml
+#   docker run --rm --gpus all -p 8000:8000 pagedserve:cuda --config configs/llama3-8b-h200.yaml
 #
-# Arguments after the image name replace CMD and go to `pagedserve serve`; keep `--host 0.0.0.0` when you do.
-# Stopping: the default CMD lets requests in flight run on for 3 s after SIGTERM, then ends the rest with an error
-# event; with the engine's own shutdown (~2.5-4 s here) that fits `docker stop`'s 10 s grace. For a longer drain
-# give both: `docker run --stop-timeout 45 ... pagedserve:cpu --host 0.0.0.0 --shutdown-timeout 30`.
+# Arguments after the image name go to `pagedserve serve`. Where it listens and how long it drains come from
+# the environment (PAGEDSERVE_HOST=0.0.0.0, PAGEDSERVE_PORT=8000, PAGEDSERVE_SHUTDOWN_TIMEOUT=3, below), which
+# flags override (`--port 8521`) without dropping the others. The HEALTHCHECK probes where the server really
+# listens: it reads the running server's environment and flags as the server did (server/settings.py).
+# Stopping: requests in flight run on for 3 s after SIGTERM, the rest then end with an error event, and the
+# engine core and the server exit in about a second: all inside `docker stop`'s 10 s grace. For a longer drain
+# give both: `docker run --stop-timeout 45 -e PAGEDSERVE_SHUTDOWN_TIMEOUT=30 ... pagedserve:cpu`.
 #
 # Layers, for a cache that survives code changes: the dependencies come from pyproject.toml's dependency lists
-# alone (stages requirements, deps), the embedded model is converted in a stage of its own whose output only
-# changes with the model (stage model), and the project itself is a small wheel installed last.
+# alone (stages requirements, deps), the embedded model is prepared in a stage of its own whose output only
+# changes with the model (stage model), the native CPU kernels are compiled in a stage that holds the compiler
+# and only their sources (stage kernels), and the project itself is a small wheel installed last. The CPU
+# runtime carries no compiler.
 
 ARG VARIANT=cpu
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
@@ -88,21 +93,30 @@ RUN python -m pip install --no-deps /wheels/*.whl \
     && HF_HUB_OFFLINE=1 python -m pagedserve.engine \
     && chmod -R a+rX,go-w "$PAGEDSERVE_CACHE_DIR"
 
-# ---- runtimes: what each variant needs besides the venv ---------------------------------------------------
-# Both compile C at first use, for the CPU or GPU they run on: the CPU kernels (kernels/cpu_native.py, built
-# with -march=native, so not at image build time) and Triton's kernel launchers. That needs a C compiler and
-# libc headers; their versions are left to the base image's Debian release (point releases replace pinned
-# versions).
-FROM base AS runtime-common
+# ---- compiler: a C compiler and libc headers, for the kernels stage and the CUDA runtime ------------------
+# Their versions are left to the base image's Debian release (point releases replace pinned versions).
+FROM base AS compiler
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && apt-get clean \
     && rm -rf /var/lib/apt/lists/*
 
-FROM runtime-common AS runtime-cpu
+# ---- kernels: the native CPU kernels, one library per CPU level of this machine type -----------------------
+# -march=native is no option for an image that runs on other CPUs: kernels/native_build.py builds x86-64-v2,
+# -v3 and -v4 (armv8-a on arm64), named by the sources' digest, and the server loads the best level its CPU
+# runs (kernels/cpu_native.py). Standard library only: no torch needed here, and no code but the kernels'.
+FROM compiler AS kernels
+COPY kernels/native_build.py /src/kernels/native_build.py
+COPY kernels/csrc /src/kernels/csrc
+RUN python -I /src/kernels/native_build.py /opt/pagedserve/cpu-kernels \
+    && chmod -R a+rX,go-w /opt/pagedserve/cpu-kernels
 
-FROM runtime-common AS runtime-cuda
+# ---- runtimes: what each variant needs besides the venv ---------------------------------------------------
+# CPU: nothing; its kernels come built. CUDA: Triton compiles its kernel launchers at first use, with gcc.
+FROM base AS runtime-cpu
+
+FROM compiler AS runtime-cuda
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
@@ -117,21 +131,31 @@ RUN useradd --create-home --no-log-init --uid 10001 --user-group pagedserve
 COPY --from=deps /opt/venv /opt/venv
 WORKDIR /opt/pagedserve
 COPY --from=model /opt/pagedserve/cache ./cache
+COPY --from=kernels /opt/pagedserve/cpu-kernels ./cpu-kernels
 COPY configs ./configs
 COPY --from=builder /wheels /tmp/wheels
-RUN python -m pip install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels
+# The HEALTHCHECK runs the installed server/settings.py by its path (standard library only: no torch import).
+RUN python -m pip install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels \
+    && package=$(python -c "import importlib.util as u; print(u.find_spec('pagedserve').submodule_search_locations[0])") \
+    && ln -s "$package/server/settings.py" /opt/pagedserve/healthcheck.py
 ENV HF_HOME=/home/pagedserve/.cache/huggingface \
-    PAGEDSERVE_VARIANT=${VARIANT}
+    PAGEDSERVE_VARIANT=${VARIANT} \
+    PAGEDSERVE_KERNEL_PREBUILT_DIR=/opt/pagedserve/cpu-kernels \
+    PAGEDSERVE_HOST=0.0.0.0 \
+    PAGEDSERVE_PORT=8000 \
+    PAGEDSERVE_SHUTDOWN_TIMEOUT=3
 USER 10001:10001
-# The baked model must be what the server finds: as the server's user, who cannot write the cache, this fails
-# the build instead of converting. The GGUF's mtime (part of the cache key) must survive a push and pull
-# (layers keep whole seconds).
+# As the server's user, who can write neither: the baked model must be what the server finds (this fails the
+# build instead of converting), and the kernels built ahead of time must load. The GGUF's mtime (part of the
+# cache key) must survive a push and pull (layers keep whole seconds).
 RUN HF_HUB_OFFLINE=1 python -m pagedserve.engine \
-    && python -c "from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path as p; assert p().stat().st_mtime_ns % 10**9 == 0"
+    && python -c "from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path as p; assert p().stat().st_mtime_ns % 10**9 == 0" \
+    && if [ "$VARIANT" = "cpu" ]; then \
+        python -c "from pagedserve.kernels.cpu_native import native_library as n, prebuilt_dirs as d; assert str(n()._name).startswith(str(d()[0]))"; \
+    fi
 EXPOSE 8000
 # Liveness: /health is 200 while the engine core is alive (loading included); /ready is for readiness.
-# Set PAGEDSERVE_PORT (read only here) when CMD serves on another port.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('PAGEDSERVE_PORT', '8000'), timeout=4)"]
+    CMD ["python", "-I", "/opt/pagedserve/healthcheck.py"]
 ENTRYPOINT ["pagedserve", "serve"]
-CMD ["--host", "0.0.0.0", "--port", "8000", "--shutdown-timeout", "3"]
+CMD []

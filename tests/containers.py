@@ -76,7 +76,7 @@ def require_docker() -> None:
 
 # Each stage of the Dockerfile that a later build can reuse gets a tag (IMAGE-deps, ...), so that pruning the
 # untagged leftovers of earlier builds (a converted model per code change, ~550 MB) keeps the cache.
-STAGES = ("deps", "builder", "model", None)
+STAGES = ("deps", "kernels", "builder", "model", None)
 
 
 @functools.cache
@@ -117,7 +117,7 @@ def built_image() -> str:
 
 @dataclass
 class Container:
-    """A running container whose port 8000 is published on 127.0.0.1:`port`."""
+    """A running container whose server's port is published on 127.0.0.1:`port`."""
 
     id: str
     port: int
@@ -152,10 +152,13 @@ class Container:
         docker("rm", "-f", self.id, check=False)
 
 
-def start_container(image: str, *args: str, docker_args: tuple[str, ...] = (), port: int | None = None) -> Container:
-    """`docker run -d` of `image` with its port 8000 on loopback `port` (default: a free one); `args` replace the
-    image's CMD."""
+def start_container(
+    image: str, *args: str, docker_args: tuple[str, ...] = (), port: int | None = None, container_port: int = 8000
+) -> Container:
+    """`docker run -d` of `image` with its `container_port` on loopback `port` (default: a free one); `args`
+    replace the image's CMD."""
     port = port or free_port()
     name = f"pagedserve-test-{os.getpid()}-{next(_names)}"
-    run = ["run", "-d", "--name", name, "--label", LABEL, "-p", f"127.0.0.1:{port}:8000", *docker_args, image]
+    publish = f"127.0.0.1:{port}:{container_port}"
+    run = ["run", "-d", "--name", name, "--label", LABEL, "-p", publish, *docker_args, image]
     return Container(docker(*run, *args).stdout.strip(), port)

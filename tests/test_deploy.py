@@ -88,6 +88,25 @@ def arguments(kind: str) -> list[str]:
     return [rest for keyword, rest in dockerfile_instructions() if keyword == kind]
 
 
+def stage_instructions(name: str) -> list[tuple[str, str]]:
+    """The instructions of the stage `FROM ... AS name`, its FROM excluded."""
+    instructions = dockerfile_instructions()
+    (start,) = [i for i, (k, rest) in enumerate(instructions) if k == "FROM" and rest.endswith(f" AS {name}")]
+    following = [i for i, (k, _) in enumerate(instructions) if k == "FROM" and i > start]
+    return instructions[start + 1 : following[0] if following else None]
+
+
+def image_environment() -> dict[str, str]:
+    """The final stage's ENV settings (NAME=VALUE pairs, unquoted)."""
+    pairs = [shlex.split(rest) for keyword, rest in stage_instructions("final") if keyword == "ENV"]
+    return dict(pair.split("=", 1) for group in pairs for pair in group)
+
+
+def healthcheck_command() -> list[str]:
+    (healthcheck,) = arguments("HEALTHCHECK")
+    return json.loads(healthcheck.split(" CMD ", 1)[1])
+
+
 def dockerignored(path: str, patterns: list[str]) -> bool:
     """Docker's rule, closely enough: the last pattern matching the path or one of its parents decides."""
     parts = path.split("/")
@@ -218,12 +237,31 @@ def test_dockerfile_is_multistage_nonroot_with_healthcheck() -> None:
     assert any("PAGEDSERVE_CACHE_DIR=/opt/pagedserve/cache" in rest for rest in arguments("ENV"))
     assert any("docker/install.sh" in rest for rest in arguments("RUN"))
 
-    (healthcheck,) = arguments("HEALTHCHECK")
-    assert "/health" in healthcheck and "urllib" in healthcheck
+    assert healthcheck_command() == ["python", "-I", "/opt/pagedserve/healthcheck.py"]
+    assert any('server/settings.py" /opt/pagedserve/healthcheck.py' in rest for k, rest in final if k == "RUN")
     assert arguments("EXPOSE") == ["8000"]
     assert json.loads(arguments("ENTRYPOINT")[-1]) == ["pagedserve", "serve"]
-    cmd = json.loads(arguments("CMD")[-1])
-    assert flag_value(cmd, "--host") == "0.0.0.0" and flag_value(cmd, "--port") == "8000"
+    # Where it listens and how long it drains come from the environment, so that arguments after the image
+    # name (which replace CMD) keep them.
+    assert json.loads(arguments("CMD")[-1]) == []
+    assert image_environment()["PAGEDSERVE_HOST"] == "0.0.0.0" and image_environment()["PAGEDSERVE_PORT"] == "8000"
+    assert 0 < float(image_environment()["PAGEDSERVE_SHUTDOWN_TIMEOUT"]) <= 5, "must fit docker stop's 10 s"
+
+
+def test_the_cpu_runtime_has_no_compiler_and_ships_built_kernels() -> None:
+    """gcc lives in the compiler stage, which the kernels stage and the CUDA runtime (Triton's launchers) build
+    on; the CPU runtime is the bare base and loads the kernels from where the kernels stage put them."""
+    stages = {rest.split(" AS ")[1]: rest.split(" AS ")[0] for rest in arguments("FROM") if " AS " in rest}
+    assert stages["runtime-cpu"] == "base" and stages["runtime-cuda"] == "compiler" and stages["kernels"] == "compiler"
+    installs_gcc = [rest for keyword, rest in stage_instructions("compiler") if keyword == "RUN" and "gcc" in rest]
+    assert installs_gcc and not [rest for keyword, rest in dockerfile_instructions() if "gcc" in rest
+                                 and (keyword, rest) not in stage_instructions("compiler")]  # fmt: skip
+    (build,) = [rest for keyword, rest in stage_instructions("kernels") if keyword == "RUN"]
+    assert build.startswith("python -I /src/kernels/native_build.py /opt/pagedserve/cpu-kernels")
+    assert "COPY --from=kernels /opt/pagedserve/cpu-kernels ./cpu-kernels" in [
+        f"COPY {rest}" for keyword, rest in stage_instructions("final") if keyword == "COPY"
+    ]
+    assert image_environment()["PAGEDSERVE_KERNEL_PREBUILT_DIR"] == "/opt/pagedserve/cpu-kernels"
 
 
 def test_dockerignore_keeps_the_build_context_small_but_complete() -> None:
@@ -264,7 +302,7 @@ def test_compose_wires_server_prometheus_and_grafana() -> None:
     # Replicas behind the load balancer: only it publishes the API port.
     assert server["expose"] == ["8000"] and "ports" not in server and server["deploy"]["replicas"] >= 2
     assert "8000:8000" in services["loadbalancer"]["ports"]
-    assert any("/health" in part for part in server["healthcheck"]["test"])
+    assert server["healthcheck"]["test"] == ["CMD", *healthcheck_command()]  # the image's: it reads --port
     timeout = float(flag_value(server["command"], "--shutdown-timeout") or 0)
     assert 0 < timeout < float(server["stop_grace_period"].rstrip("s"))
     for name in ("prometheus", "grafana", "loadbalancer"):
@@ -575,23 +613,26 @@ def test_install_script_builds_a_working_environment(tmp_path: Path) -> None:
 
 
 def serve_with_image_defaults(venv: Path, env: dict[str, str], deadline: float) -> None:
-    """`pagedserve serve` with the image's CMD (on a free port) until the image's HEALTHCHECK command passes
-    and /ready answers 200, then SIGTERM: the container's life in short."""
+    """`pagedserve serve` with the image's environment and no arguments (on a free port) until the image's
+    HEALTHCHECK command (server/settings.py, given the server's pid: on a host others may run) passes and /ready
+    answers 200, then SIGTERM: the container's life in short."""
     import socket
     import urllib.request
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
-    cmd = json.loads(arguments("CMD")[-1])
-    cmd[cmd.index("--port") + 1], cmd[cmd.index("--host") + 1] = port, "127.0.0.1"
-    (healthcheck,) = arguments("HEALTHCHECK")
-    check = json.loads(healthcheck.split(" CMD ", 1)[1])
-    check[0] = str(venv / "bin" / check[0])
-    env = {**env, "PAGEDSERVE_PORT": port}
+    env = {**env, **image_environment(), "PAGEDSERVE_HOST": "127.0.0.1", "PAGEDSERVE_PORT": port}
+    env.pop("PAGEDSERVE_KERNEL_PREBUILT_DIR")  # the image's folder; here the kernels compile at first use
+    python = str(venv / "bin" / "python")
+    settings_file = subprocess.run(
+        [python, "-c", "import pagedserve.server.settings as s; print(s.__file__)"],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
     log = venv.parent / "serve.log"
     with log.open("w") as sink:
-        server = subprocess.Popen([venv / "bin" / "pagedserve", "serve", *cmd], env=env, stdout=sink, stderr=sink)
+        server = subprocess.Popen([venv / "bin" / "pagedserve", "serve"], env=env, stdout=sink, stderr=sink)
+    check = [python, "-I", settings_file, str(server.pid)]
     stop = min(deadline, time.monotonic() + 180)
     try:
         healthy = ready = False

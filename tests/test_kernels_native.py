@@ -137,8 +137,9 @@ def test_short_prefills_go_to_the_kernel_row_by_row_and_long_ones_to_sdpa(kernel
 
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
-    """A private cache directory and no memoised kernel, restored afterwards."""
+    """A private cache directory, no library built ahead of time and no memoised kernel, restored afterwards."""
     monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_native, "prebuilt_dirs", list)
     _forget_built_kernels()
     yield tmp_path
     _forget_built_kernels()

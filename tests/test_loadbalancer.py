@@ -5,7 +5,9 @@ tests/test_failover.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,6 +60,42 @@ def test_run_local_builds_a_valid_configuration(tmp_path: Path) -> None:
 def test_run_local_refuses_bad_arguments(arguments: list[str]) -> None:
     result = subprocess.run([str(RUN_LOCAL), *arguments], capture_output=True, text=True, timeout=10)
     assert result.returncode == 2 and "usage:" in result.stderr
+
+
+def readme_balancer_example() -> str:
+    """The Deploy section's run-local.sh line, comment dropped."""
+    readme = (ROOT / "README.md").read_text()
+    (line,) = [line for line in readme.splitlines() if line.startswith("docker/loadbalancer/run-local.sh ")]
+    return line.partition("#")[0].strip()
+
+
+def test_the_readme_balancer_example_runs_as_written() -> None:
+    """Exactly as README.md shows it, in a network namespace of its own (its ports are fixed ones), in front of
+    stand-in replicas on the ports it names: haproxy starts, its stats page answers on the default stats port,
+    and requests reach both replicas. It used to put the stats page on the first replica's port, and exit."""
+    haproxy()
+    command = readme_balancer_example()
+    ports = [int(port) for port in re.findall(r"127\.0\.0\.1:(\d+)", command)]
+    assert ports, command
+    unshare = require_tool("unshare", "util-linux")
+    runner = [sys.executable, "-m", "tests.loadbalancer_netns", ",".join(map(str, ports)), command]
+    attempts = [[unshare, "--net", "--", *runner], [unshare, "--net", "--map-root-user", "--", *runner]]
+    for attempt in attempts:  # root, else a user namespace
+        result = subprocess.run(attempt, capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ})
+        if result.returncode == 0:
+            break
+    else:
+        unavailable(f"no network namespace for the example: {result.stderr[-500:]}")
+    report = json.loads(result.stdout)
+    assert report["exit"] is None and report["stats"] == 200, report["log"]
+    assert sorted(set(report["answers"])) == sorted(ports), report
+
+
+def test_run_local_refuses_a_stats_port_that_collides() -> None:
+    for stats_port, arguments in (("18000", ["18000", "127.0.0.1:18001"]), ("18002", ["18000", "localhost:18002"])):
+        env = {**os.environ, "STATS_PORT": stats_port}
+        result = subprocess.run([str(RUN_LOCAL), *arguments], capture_output=True, text=True, timeout=10, env=env)
+        assert result.returncode == 2 and "set STATS_PORT" in result.stderr, result.stderr
 
 
 def test_run_local_passes_shellcheck() -> None:

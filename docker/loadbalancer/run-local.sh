@@ -5,8 +5,9 @@
 #   docker/loadbalancer/run-local.sh PORT HOST:PORT [HOST:PORT ...]
 #   docker/loadbalancer/run-local.sh 8000 127.0.0.1:8001 127.0.0.1:8002
 #
-# Environment: STATS_PORT (Prometheus metrics on /metrics and the stats page on /stats, on 127.0.0.1;
-# default PORT+1), HAPROXY (the binary; default haproxy, 2.6 or later).
+# Environment: STATS_PORT (Prometheus metrics on /metrics and the stats page on /stats, on 127.0.0.1; default
+# 8404, haproxy's usual stats port, as in compose), HAPROXY (the binary; default haproxy, 2.6 or later). A stats
+# port that is PORT or a local replica's port is refused: haproxy could not bind it, or would answer for it.
 # Stop: SIGUSR1 lets open streams finish first (at most hard-stop-after, 40 s); SIGTERM or SIGINT stops at once.
 set -euo pipefail
 
@@ -23,8 +24,19 @@ port_number() {
 port=$1
 shift
 port_number "$port" || usage
-stats_port=${STATS_PORT:-$((port + 1))}
+stats_port=${STATS_PORT:-8404}
 port_number "$stats_port" || usage
+
+is_local() {
+    [[ $1 =~ ^(127\.[0-9.]+|localhost|0\.0\.0\.0|\[?::1?\]?)$ ]]
+}
+
+collides() {
+    echo "$0: the stats port $stats_port is also $1; set STATS_PORT to a free port" >&2
+    exit 2
+}
+
+((10#$stats_port != 10#$port)) || collides "the balancer's port"
 
 # The backend section: one server line per replica (haproxy.cfg's defaults give them their checks).
 backend="backend pagedserve"$'\n'
@@ -33,6 +45,9 @@ for replica in "$@"; do
     host=${replica%:*}
     if [ "$host" = "$replica" ] || [ -z "$host" ] || ! port_number "${replica##*:}"; then
         usage
+    fi
+    if is_local "$host" && ((10#${replica##*:} == 10#$stats_port)); then
+        collides "the port of replica $replica"
     fi
     index=$((index + 1))
     backend+="    server replica${index} ${replica}"$'\n'

@@ -207,3 +207,11 @@ def shared_sandbox(config: dict[str, Any], keep: int = 4) -> GrammarSandbox:
                 _SHARED.popitem(last=False)[1].close()
         _SHARED.move_to_end(key)
         return sandbox
+
+
+def close_shared_sandboxes() -> None:
+    """Ends every shared sandbox's children: for a process about to exit without its interpreter's teardown,
+    which is where their finalizers would otherwise run."""
+    with _SHARED_LOCK:
+        for sandbox in _SHARED.values():
+            sandbox.close()
