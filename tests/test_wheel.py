@@ -101,3 +101,17 @@ def test_the_installed_server_runs_the_native_kernels(fresh_venv: Path, tmp_path
     messages = [r.get("message", "") for r in records]
     assert not [m for m in messages if "native CPU kernels unavailable" in m], messages
     assert any(m.startswith("native CPU kernels ready") for m in messages), messages
+
+
+def test_every_package_folder_is_listed_in_pyproject() -> None:
+    """pyproject.toml lists the packages (the checkout's root is the package): a folder missing there works in an
+    editable install and is absent from the wheel and the image."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {
+        "pagedserve." + ".".join(init.parent.relative_to(ROOT).parts)
+        for room in ("engine", "server", "kernels")
+        for init in (ROOT / room).rglob("__init__.py")
+    }
+    assert folders - listed == set()
