@@ -94,10 +94,12 @@ def _gguf_model(
     `sources`: (the model directory, the GGUF file)."""
     model_dir, gguf_file = sources
     max_positions = model_len_limit(spec)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(spec, hf_config, backend, max_positions=max_positions, group=group)
     with torch.device(device):
-        model.rotary = rotary_embedding(spec, hf_config, max_positions).to(dtype=dtype)
+        rotary = rotary_embedding(spec, hf_config, max_positions).to(dtype=dtype)
+    # Real tables, computed first: on the meta device torch computes through its Python reference ops, which
+    # import its compiler and need a writable temporary folder (a read-only container has none).
+    with torch.device("meta"):
+        model = LlamaForCausalLM(spec, hf_config, backend, max_positions=max_positions, group=group, rotary=rotary)
     keeps_blocks = config.quantization in ("auto", "gguf")
     formats = _formats_multiplied_here(config, backend, device, dtype) if keeps_blocks else frozenset()
     split = None if group is None else (group.rank, group.size)

@@ -105,15 +105,17 @@ class LlamaForCausalLM(nn.Module):
         backend: KernelBackend,
         max_positions: int,
         group: TensorParallelGroup | None = None,
+        rotary: RotaryEmbedding | None = None,
     ) -> None:
         """`group`: the ranks the model is split over (Megatron-style), None for the whole model here. Split,
-        a rank holds its query and KV heads, its share of the MLP width and of the vocabulary."""
+        a rank holds its query and KV heads, its share of the MLP width and of the vocabulary. `rotary`: cos/sin
+        tables built beforehand (a model built on the meta device takes real ones), else built here."""
         super().__init__()
         self.spec = spec
         self.group = group
         self.rank_spec = spec.for_rank(1 if group is None else group.size)
         self.backend = backend
-        self.rotary = rotary_embedding(spec, hf_config, max_positions)
+        self.rotary = rotary if rotary is not None else rotary_embedding(spec, hf_config, max_positions)
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding | QuantizedEmbedding = (
             nn.Embedding(spec.vocab_size, spec.hidden_size)
             if group is None
@@ -223,8 +225,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 def rotary_embedding(spec: ModelSpec, hf_config: Any, max_positions: int) -> RotaryEmbedding:
-    """The model's cos/sin tables, on the default device: a model built on the meta device (weights/gguf.py)
-    gets real ones from here."""
+    """The model's cos/sin tables, on the default device."""
     return RotaryEmbedding(spec.head_dim, max_positions, spec.rope_parameters, hf_config)
 
 
