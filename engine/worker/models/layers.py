@@ -25,6 +25,12 @@ class Linear(nn.Linear):
         self.backend = backend
         self.quantized: ProjectionWeight | None = None  # as the backend's place_quantized returned it
 
+    def reset_parameters(self) -> None:
+        # A weightless model (built on the meta device, weights/gguf.py) gets its tensors from a file; and torch's
+        # random initializers run on meta tensors through its compiler, which needs a writable temporary folder.
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.backend.quantized_linear(x, self.quantized, self.bias)
@@ -41,6 +47,14 @@ class Linear(nn.Linear):
             raise ValueError(f"a {weight.shape} weight cannot replace a {tuple(self.weight.shape)} one")
         self.quantized = weight
         self.weight = nn.Parameter(torch.empty(0, self.in_features), requires_grad=False)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding, whose random initializer stands aside for a weightless model (see Linear.reset_parameters)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
 
 class RowParallelLinear(Linear):

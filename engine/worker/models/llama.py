@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
 from pagedserve.engine.worker.models.layers import (
+    Embedding,
     GatedMLP,
     Linear,
     QuantizedEmbedding,
@@ -117,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.rotary = rotary if rotary is not None else rotary_embedding(spec, hf_config, max_positions)
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding | QuantizedEmbedding = (
-            nn.Embedding(spec.vocab_size, spec.hidden_size)
+            Embedding(spec.vocab_size, spec.hidden_size)
             if group is None
             else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, group)
         )
