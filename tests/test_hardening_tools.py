@@ -5,7 +5,6 @@ embedded model, httpx and the openai SDK."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -26,10 +25,8 @@ from benchmarks.hostile_inputs import (
     tool,
 )
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.client.async_engine import AsyncEngine
-from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
-from tests.servers import running_engine, serving
+from tests.servers import engine_and_url
 from tests.test_server_errors import assert_error
 
 MODEL = "smol"
@@ -37,16 +34,7 @@ MAX_SCHEMA_DEPTH = 64  # server/response_format.py's limit, levels of JSON objec
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    with running_engine(EngineConfig(num_kv_blocks=256), smol_loaded) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def url(engine: AsyncEngine) -> Iterator[str]:
-    with serving(engine, ServerSettings([MODEL])) as url:
-        yield url
+engine, url = engine_and_url(EngineConfig(num_kv_blocks=256), ServerSettings([MODEL]))
 
 
 @pytest.fixture(scope="module")
