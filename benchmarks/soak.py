@@ -3,11 +3,12 @@
 Starts a server with an API key on 127.0.0.1 in this process and runs concurrent clients against it: mostly
 streaming completions and chats of random lengths, some with n=2, some with a short queue `timeout`; a share of
 the requests hang up at a random point; a share are attacks (benchmarks/hostile.py), each planned to get a given
-answer; a share are innocent probes, greedy completions whose text must equal what they gave alone before the
-traffic began. It reports unplanned 5xx answers, every other failure (answers neither complete nor a clean error,
-attacks answered otherwise than planned), changed probes, the innocent streams' largest wait between two chunks
-while the attacks ran, and once the traffic stops: lost KV blocks (referenced with nothing running), leaked queue
-places (held with nothing waiting) and the RSS growth after warm-up of the server and engine processes.
+answer, sent in every other half-minute; a share are innocent probes, greedy completions whose text must equal
+what they gave alone before the traffic began. It reports unplanned 5xx answers, every other failure (answers
+neither complete nor a clean error, attacks answered otherwise than planned), changed probes, the innocent
+streams' largest wait between two chunks while attacks were in flight (and, as a control, while none was), and
+once the traffic stops: lost KV blocks (referenced with nothing running), leaked queue places (held with nothing
+waiting) and the RSS growth after warm-up of the server and engine processes.
 
     python -m benchmarks.soak [--minutes 10] [--clients 16] [--hang-up-share 0.33] [--hostile-share 0.2]
                               [any engine flag]
@@ -45,6 +46,14 @@ BACKOFF_SECONDS = (0.2, 1.0)  # after a deliberate 503 or 408, like a client hon
 IDLE_TIMEOUT = 60.0  # seconds for the engine to settle once traffic stops
 PROBES = ("The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are")
 PROBE_SHARE = 0.1
+# Engine flags the soak defaults to, for the small shared CPU machine it runs on (any flag overrides them): a step of
+# 2,048 prompt tokens takes seconds on a CPU, longer than the gap limit; and two intra-op threads, which meet at a
+# barrier in every layer, stall whenever either loses its core to other work (on a busy 2-core machine: 247 of
+# 1,711 gaps over 1 s with two threads, 1 of 2,824 with one, no attacks at all).
+MACHINE_DEFAULTS = {"max_num_batched_tokens": 64, "num_threads": 1}
+# Attacks are sent in every other half-minute: the innocent streams' gaps while none is in flight are the control,
+# measured in the same run, on the same (possibly busy) machine.
+ATTACK_PHASE_SECONDS = 30.0
 
 
 def random_request(rng: random.Random) -> tuple[str, dict]:
@@ -127,6 +136,10 @@ class Traffic:
     probe_texts: dict[str, str] = field(default_factory=dict)  # prompt -> its greedy text alone
     api_key: str | None = None
     attacks: tuple[Attack, ...] = ATTACKS
+    start: float = field(default_factory=time.monotonic)
+
+    def attacking(self) -> bool:
+        return int((time.monotonic() - self.start) / ATTACK_PHASE_SECONDS) % 2 == 0
 
 
 async def attack(target: Target, rng: random.Random, attacks: tuple[Attack, ...], report: SoakReport) -> None:
@@ -176,10 +189,11 @@ async def client_loop(url: str, seed: int, deadline: float, traffic: Traffic, re
         while time.monotonic() < deadline:
             try:
                 draw = rng.random()
-                if draw < traffic.hostile_share:
+                hostile = draw < traffic.hostile_share  # in a quiet half-minute: an ordinary request instead
+                if hostile and traffic.attacking():
                     await attack(target, rng, traffic.attacks, report)
                     back_off = False
-                elif draw < traffic.hostile_share + PROBE_SHARE and traffic.probe_texts:
+                elif not hostile and draw < traffic.hostile_share + PROBE_SHARE and traffic.probe_texts:
                     back_off = await probe(client, rng, traffic, report)
                 else:
                     back_off = await one_request(client, rng, traffic.hang_up_share, report)
@@ -237,9 +251,9 @@ def soak(
     `api_key`: the server's, which the clients send (an attack sends it twice)."""
     report = SoakReport(attack_kinds=[kind.name for kind in attacks])
     processes = [psutil.Process(), *([psutil.Process(engine.info.pid)] if engine.info.pid != os.getpid() else [])]
-    traffic = Traffic(hang_up_share, hostile_share, probe_texts(url, api_key), api_key, attacks)
-    places_before = free_queue_places(engine)
-    start = time.monotonic()
+    texts, places_before = probe_texts(url, api_key), free_queue_places(engine)
+    traffic = Traffic(hang_up_share, hostile_share, texts, api_key, attacks)
+    start = traffic.start
 
     async def run() -> int:
         """Returns the RSS at the end of warm-up."""
@@ -276,6 +290,7 @@ def main() -> None:
     parser.add_argument("--traffic-seed", type=int, default=0, help="the clients' random choices")
     parser.add_argument("--attacks", nargs="*", metavar="TEXT", help="only the attacks whose names hold a TEXT")
     add_engine_args(parser)
+    parser.set_defaults(**MACHINE_DEFAULTS)
     args = parser.parse_args()
     engine = AsyncEngine.from_config(engine_config(args)).start()
     if not engine.wait_ready():

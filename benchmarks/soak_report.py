@@ -9,25 +9,51 @@ MAX_GAP_SECONDS = 1.0  # an innocent stream may wait this long between two chunk
 
 
 @dataclass
-class StreamGaps:
-    """The waits between two token chunks of the innocent streams, and which attacks were in flight during the
-    longest (the soak's attacks run throughout the traffic)."""
+class Gaps:
+    seconds: list[float] = field(default_factory=list)
 
-    largest: float = 0.0
-    count: int = 0
-    over_limit: int = 0
+    @property
+    def largest(self) -> float:
+        return max(self.seconds, default=0.0)
+
+    def line(self) -> str:
+        ordered = sorted(self.seconds)
+        p99 = ordered[int(0.99 * (len(ordered) - 1))] if ordered else 0.0
+        over = sum(gap >= MAX_GAP_SECONDS for gap in ordered)
+        return f"largest {self.largest:.3f} s, p99 {p99:.3f} s, {over} of {len(ordered)} over {MAX_GAP_SECONDS:.0f} s"
+
+
+@dataclass
+class StreamGaps:
+    """The waits between two token chunks of the innocent streams: while any attack was in flight, and (the
+    control, from the same run: the soak pauses its attacks every other half-minute) while none was. Which
+    attacks were in flight during the longest, and during each over the limit."""
+
+    attacked: Gaps = field(default_factory=Gaps)
+    quiet: Gaps = field(default_factory=Gaps)
     attacks_in_flight: Counter[str] = field(default_factory=Counter)
     during_largest: list[str] = field(default_factory=list)
-    during_over_limit: Counter[str] = field(default_factory=Counter)  # attack -> gaps over the limit it was in
+    during_over_limit: Counter[str] = field(default_factory=Counter)
 
     def note(self, gap: float) -> None:
-        self.count += 1
         in_flight = sorted(name for name, running in self.attacks_in_flight.items() if running)
+        if not in_flight:
+            self.quiet.seconds.append(gap)
+            return
+        if gap > self.attacked.largest:
+            self.during_largest = in_flight
+        self.attacked.seconds.append(gap)
         if gap >= MAX_GAP_SECONDS:
-            self.over_limit += 1
-            self.during_over_limit.update(in_flight or ["no attack"])
-        if gap > self.largest:
-            self.largest, self.during_largest = gap, in_flight
+            self.during_over_limit.update(in_flight)
+
+    def lines(self) -> list[str]:
+        over = dict(self.during_over_limit.most_common())
+        return [
+            f"innocent streams' inter-chunk gap during attacks: {self.attacked.line()}",
+            f"  attacks in flight at the largest: {', '.join(self.during_largest) or 'none'}",
+            *([f"  attacks in flight during the gaps over the limit: {over}"] if over else []),
+            f"  the same with no attack in flight (control): {self.quiet.line()}",
+        ]
 
 
 @dataclass
@@ -52,12 +78,11 @@ class SoakReport:
 
     def passed(self) -> bool:
         clean = not (self.failures or self.lost_blocks or self.leaked_places or self.running_after)
-        return clean and self.gaps.largest < MAX_GAP_SECONDS
+        return clean and self.gaps.attacked.largest < MAX_GAP_SECONDS
 
     def lines(self) -> list[str]:
         rate = self.requests / self.seconds if self.seconds else 0.0
         unsent = [kind for kind in self.attack_kinds if not self.attacks[kind]]
-        gaps = self.gaps
         return [
             f"{self.requests} requests in {self.seconds:.0f} s ({rate:.1f}/s): {self.completed} complete, "
             f"{self.hung_up} hung up, {self.deliberate} deliberate 503/408, {sum(self.attacks.values())} attacks "
@@ -69,14 +94,7 @@ class SoakReport:
             f"failures (unplanned 5xx, broken answers, attacks answered otherwise than planned, probes changed): "
             f"{len(self.failures)}",
             *(f"  {failure}" for failure in self.failures[:10]),
-            f"innocent streams' largest inter-chunk gap: {gaps.largest:.3f} s (limit {MAX_GAP_SECONDS:.0f} s; "
-            f"{gaps.over_limit} of {gaps.count} gaps over it); attacks in flight then: "
-            f"{', '.join(gaps.during_largest) or 'none'}",
-            *(
-                [f"  in flight during the gaps over it: {dict(gaps.during_over_limit.most_common())}"]
-                if gaps.over_limit
-                else []
-            ),
+            *self.gaps.lines(),
             f"after: {self.running_after} requests unfinished, KV usage {self.kv_usage_after:.3f}, "
             f"{self.lost_blocks} lost KV blocks, {self.leaked_places} leaked queue places",
             f"RSS growth after warm-up (server + engine core): {self.rss_growth_mb:+.1f} MB",
