@@ -50,13 +50,16 @@ class StructuredOutput:
         """An object schema that lists its properties and leaves `additionalProperties` unsaid admits only
         those, as OpenAI's strict mode and vLLM do: JSON Schema's open default lets a model copy schema
         keywords into its output as keys of their own."""
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"invalid json_schema constraint: not JSON ({exc})") from None
-        # Keys keep their order: a schema's property order is the order the model writes them in.
-        return cls("json_schema", json.dumps(closed_objects(schema)))
+        try:
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"invalid json_schema constraint: not JSON ({exc})") from None
+            # Keys keep their order: a schema's property order is the order the model writes them in.
+            return cls("json_schema", json.dumps(closed_objects(schema)))
+        except RecursionError:  # parsing, closing and writing recurse once per level of nesting
+            raise ValueError("invalid json_schema constraint: nested too deeply") from None
 
     @classmethod
     def json_object(cls) -> StructuredOutput:

@@ -87,7 +87,7 @@ def vllm_prompt_logprobs(items: PromptLogprobs, token_text: TokenText) -> Prompt
     def entries(item: TokenLogprob) -> dict[str, PromptTokenLogprob]:
         top = ((token_id, logprob, rank) for rank, (token_id, logprob) in enumerate(item.top, start=1))
         return {
-            str(token_id): PromptTokenLogprob(logprob=_finite(logprob), rank=rank, decoded_token=token_text(token_id))
+            str(token_id): {"logprob": _finite(logprob), "rank": rank, "decoded_token": token_text(token_id)}
             for token_id, logprob, rank in [(item.token_id, item.logprob, item.rank), *top]
         }
 

@@ -8,8 +8,10 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.engine.config import EngineConfig
@@ -44,6 +46,23 @@ def served_engine(config: EngineConfig, loaded: LoadedModel, settings: ServerSet
     """A fresh engine behind a fresh server; yields the server's base URL."""
     with running_engine(config, loaded) as engine, serving(engine, settings) as url:
         yield url
+
+
+def engine_and_url(config: EngineConfig, settings: ServerSettings, loaded: str = "smol_loaded") -> tuple[Any, Any]:
+    """A test module's `engine` fixture (an AsyncEngine on the session's model fixture named `loaded`) and `url`
+    fixture (a server in front of it, the base URL), one per module: `engine, url = engine_and_url(...)`."""
+
+    @pytest.fixture(scope="module")
+    def engine(request: pytest.FixtureRequest) -> Iterator[AsyncEngine]:
+        with running_engine(config, request.getfixturevalue(loaded)) as engine:
+            yield engine
+
+    @pytest.fixture(scope="module")
+    def url(engine: AsyncEngine) -> Iterator[str]:
+        with serving(engine, settings) as url:
+            yield url
+
+    return engine, url
 
 
 def free_port() -> int:

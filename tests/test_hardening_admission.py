@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.hostile_inputs import head_only, raw_post
 from pagedserve.engine import EngineConfig, QueueFullError
 from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.engine.client.async_stream import Reservation
@@ -85,13 +86,6 @@ def wait_for_free_places(engine: AsyncEngine, expected: int, timeout: float = 10
     return free
 
 
-def raw_post(body: bytes, headers: list[tuple[str, str]], path: str = ROUTE) -> bytes:
-    """A POST with exactly these headers (repeats and all) and a Content-Length: no Content-Type of its own."""
-    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", *(f"{name}: {value}" for name, value in headers)]
-    lines.append(f"Content-Length: {len(body)}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
-
-
 def exchange(url: str, request: bytes) -> RawResponse:
     with connect(url) as sock:
         sock.sendall(request)
@@ -124,7 +118,7 @@ def test_a_duplicate_authorization_header_is_401_and_leaks_no_queue_place(
         values.reverse()
     headers = [("Content-Type", "application/json"), *(("Authorization", value) for value in values)]
     for _ in range(10):
-        assert_openai_error(exchange(secured_url, raw_post(CHAT, headers)), 401, "invalid_api_key")
+        assert_openai_error(exchange(secured_url, raw_post(ROUTE, CHAT, headers)), 401, "invalid_api_key")
     assert wait_for_free_places(engine, PLACES) == PLACES
     answer = exchange(secured_url, keyed_chat())
     assert answer.status == 200, answer.body
@@ -172,13 +166,6 @@ def test_a_single_authorization_header_still_decides(secured_url: str) -> None:
 # ---- 2. a body that never arrives -------------------------------------------------------------------------------
 
 
-def head_only(content_length: int = 100) -> bytes:
-    """Complete POST headers announcing a body that is never sent."""
-    lines = [f"POST {ROUTE} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
-    lines.append(f"Content-Length: {content_length}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
 def closed_after_answer(sock: socket.socket) -> bool:
     """Whether the server closed the connection once its answer was read."""
     try:
@@ -196,7 +183,7 @@ def test_bodies_that_never_arrive_are_408_and_give_their_places_back(url: str, e
         socks = [stack.enter_context(connect(url, timeout=BODY_TIMEOUT + SLACK + 5)) for _ in range(PLACES)]
         started = time.monotonic()
         for sock in socks:
-            sock.sendall(head_only())
+            sock.sendall(head_only(ROUTE))
         assert wait_for_free_places(engine, 0, timeout=SLACK) == 0  # every place held while the bodies are due
         for sock in socks:
             response = read_response(sock)
@@ -214,7 +201,7 @@ def test_bodies_that_never_arrive_are_408_and_give_their_places_back(url: str, e
 
 def test_a_body_cut_short_is_408_too(url: str, engine: AsyncEngine) -> None:
     with connect(url, timeout=BODY_TIMEOUT + SLACK + 5) as sock:
-        sock.sendall(head_only(len(CHAT)) + CHAT[:-5])
+        sock.sendall(head_only(ROUTE, len(CHAT)) + CHAT[:-5])
         assert_openai_error(read_response(sock), 408, "body_timeout")
         assert closed_after_answer(sock)
     assert wait_for_free_places(engine, PLACES) == PLACES
@@ -226,11 +213,11 @@ def test_a_large_first_read_or_a_pipelined_request_with_a_missing_body_is_408_to
     """More than uvicorn buffers before it pauses reading, then nothing; and a request pipelined behind another
     whose body never comes: both are under the clock."""
     with connect(url, timeout=BODY_TIMEOUT + SLACK + 5) as sock:
-        sock.sendall(head_only(200_000) + b" " * 100_000)
+        sock.sendall(head_only(ROUTE, 200_000) + b" " * 100_000)
         assert_openai_error(read_response(sock), 408, "body_timeout")
         assert closed_after_answer(sock)
     with connect(url, timeout=BODY_TIMEOUT + SLACK + 5) as sock:
-        sock.sendall(request_bytes("POST", ROUTE, CHAT) + head_only())
+        sock.sendall(request_bytes("POST", ROUTE, CHAT) + head_only(ROUTE))
         assert read_response(sock).status == 200
         assert_openai_error(read_response(sock), 408, "body_timeout")
         assert closed_after_answer(sock)
@@ -240,7 +227,7 @@ def test_a_large_first_read_or_a_pipelined_request_with_a_missing_body_is_408_to
 def test_a_body_sent_slowly_within_the_timeout_is_served_and_keep_alive_resets_the_clock(url: str) -> None:
     with connect(url) as sock:
         for _ in range(2):  # two requests on one connection: each body has its own clock
-            sock.sendall(head_only(len(CHAT)))
+            sock.sendall(head_only(ROUTE, len(CHAT)))
             for piece in (CHAT[:10], CHAT[10:20], CHAT[20:]):
                 time.sleep(BODY_TIMEOUT / 4)
                 sock.sendall(piece)
@@ -256,14 +243,14 @@ def test_a_body_sent_slowly_within_the_timeout_is_served_and_keep_alive_resets_t
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
 def test_a_json_body_is_json_whatever_its_content_type(url: str, content_type: str | None) -> None:
     headers = [("Content-Type", content_type)] if content_type else []
-    answer = exchange(url, raw_post(CHAT, headers))
+    answer = exchange(url, raw_post(ROUTE, CHAT, headers))
     assert answer.status == 200, answer.body
     assert answer.json()["usage"]["completion_tokens"] == 2
 
 
 def test_a_body_that_is_not_json_is_400_invalid_json_whatever_its_content_type(url: str) -> None:
     for headers in ([], [("Content-Type", "text/plain")]):
-        response = exchange(url, raw_post(b"model=tiny", headers))
+        response = exchange(url, raw_post(ROUTE, b"model=tiny", headers))
         assert response.status == 400 and response.json()["error"]["message"] == "the request body is not valid JSON"
 
 

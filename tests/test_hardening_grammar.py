@@ -7,16 +7,25 @@ and sees how the other one ended.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
+from benchmarks.hostile_inputs import (
+    chained_refs_schema,
+    chained_rules_grammar,
+    many_alternatives_grammar,
+    many_patterned_properties,
+)
 from pagedserve.engine import SamplingParams, StructuredOutput
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.llm_engine import LLMEngine
@@ -35,35 +44,11 @@ WIDE = " | ".join(f'"v{i:04d}"' for i in range(3000))  # one row of 3,000 items 
 # ---- the inputs ------------------------------------------------------------------------------------------------
 
 
-def chained_refs_schema(links: int = 1000) -> dict:
-    """~94 KB: `$defs` that chain `links` `$ref`s, each an object holding the next."""
-    defs: dict = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(links)}
-    defs[f"d{links}"] = {"type": "integer"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
-
-
-def chained_rules_grammar(rules: int = 3000) -> str:
-    """A Lark grammar of `rules` rules, each a terminal and the next rule."""
-    return "\n".join(["start: r0", *(f'r{i}: "t" r{i + 1}' for i in range(rules)), f'r{rules}: "t"'])
-
-
 def crashers() -> dict[str, StructuredOutput]:
     return {
         "refs": StructuredOutput.json_schema(chained_refs_schema()),
         "rules": StructuredOutput.grammar(chained_rules_grammar()),
     }
-
-
-def many_alternatives_grammar(salt: str = "", alternatives: int = 20_000) -> str:
-    """~180 KB of GBNF: one rule of `alternatives` literals (`salt`, one more, makes it one no cache has seen)."""
-    fresh = f'"{salt}y" | ' if salt else ""
-    return f"root ::= {fresh}" + " | ".join(f'"w{i:05d}x"' for i in range(alternatives))
-
-
-def many_patterned_properties() -> dict:
-    """3,000 optional string properties, each with a pattern whose DFA has 2^13 states."""
-    props = {f"p{i}": {"type": "string", "pattern": "^(a|b)*a(a|b){12}$"} for i in range(3000)}
-    return {"type": "object", "properties": props}
 
 
 def run_isolated(code: str, *args: str, timeout: float = CRASH_SECONDS) -> subprocess.CompletedProcess[str]:
@@ -207,6 +192,24 @@ def test_compiling_a_fresh_grammar_does_not_stall_a_running_stream(tiny_llama_lo
     assert compile_seconds > 1.0, "the grammar compiled too fast to show anything"
     assert max(gaps) < compile_seconds / 2, f"a step waited {max(gaps):.2f} s of {compile_seconds:.2f} s compiling"
     assert finished["g"] in ("stop", "length")
+
+
+def this_thread_s_niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
+def test_compiling_runs_below_the_step_loop_s_cpu_priority(tiny_llama_loaded: LoadedModel) -> None:
+    """Compiles take seconds of CPU; the forward's threads wait for each other at every layer, so a compile that
+    takes one of their cores stalls every stream. Sandbox children and compile threads yield to the engine."""
+    ours = this_thread_s_niceness()
+    expected = min(19, ours + grammar.COMPILE_NICENESS)
+    compiler = GrammarCompiler(tiny_llama_loaded.tokenizer, tiny_llama_loaded.spec.vocab_size, frozenset())
+    compiler.compile(StructuredOutput.regex(f"[0-9]+{uuid.uuid4().hex}")).result()  # fresh: through a child
+    children = [c for c in psutil.Process().children() if any("sandbox_child" in part for part in c.cmdline())]
+    assert children and all(child.nice() == expected for child in children), (ours, [c.nice() for c in children])
+    assert compiler._threads.submit(this_thread_s_niceness).result() == expected
+    assert this_thread_s_niceness() == ours  # the process's other threads keep theirs
 
 
 def test_a_constraint_that_fails_to_compile_in_the_core_fails_alone(tiny_llama_loaded: LoadedModel) -> None:

@@ -23,10 +23,9 @@ import pytest
 
 from pagedserve.engine import EngineConfig
 from pagedserve.engine.client.async_engine import AsyncEngine
-from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, cli
 from tests.raw_http import RawResponse, connect, http_series, read_response, request_bytes
-from tests.servers import free_port, running_engine, server_process, serving
+from tests.servers import engine_and_url, free_port, server_process, serving
 
 MODEL = "tiny"
 KEY = "s3cret"
@@ -41,16 +40,7 @@ LONE_HIGH, LONE_LOW = "\ud800", "\udfff"
 # ---- servers and a raw HTTP/1.1 client -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    with running_engine(CONFIG, tiny_llama_loaded) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def url(engine: AsyncEngine) -> Iterator[str]:
-    with serving(engine, ServerSettings([MODEL])) as url:
-        yield url
+engine, url = engine_and_url(CONFIG, ServerSettings([MODEL]), loaded="tiny_llama_loaded")
 
 
 @pytest.fixture(scope="module")

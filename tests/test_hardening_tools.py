@@ -5,7 +5,6 @@ embedded model, httpx and the openai SDK."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -13,79 +12,29 @@ import jsonschema
 import openai
 import pytest
 
+from benchmarks.hostile_inputs import (
+    ENDLESS_LIST,
+    SELF_LOOP,
+    TIME_DEFS,
+    TREE,
+    TWO_STEP_LOOP,
+    WEATHER,
+    WEATHER_DEFS,
+    hermes_call,
+    nested,
+    tool,
+)
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.client.async_engine import AsyncEngine
-from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
-from tests.servers import running_engine, serving
+from tests.servers import engine_and_url
 from tests.test_server_errors import assert_error
 
 MODEL = "smol"
 MAX_SCHEMA_DEPTH = 64  # server/response_format.py's limit, levels of JSON objects and arrays
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMETERS}}
-# Two tools whose $defs (and draft-7 definitions) share a name but not a meaning.
-WEATHER_DEFS = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "$defs": {"City": {"type": "string", "maxLength": 12}, "Unit": {"enum": ["celsius", "fahrenheit"]}},
-            "type": "object",
-            "properties": {"city": {"$ref": "#/$defs/City"}, "unit": {"$ref": "#/$defs/Unit"}},
-            "required": ["city", "unit"],
-        },
-    },
-}
-TIME_DEFS = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "definitions": {"City": {"enum": ["Paris", "Rome"]}},
-            "type": "object",
-            "properties": {"city": {"$ref": "#/definitions/City"}},
-            "required": ["city"],
-        },
-    },
-}
-SELF_LOOP = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
-TWO_STEP_LOOP = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
-ENDLESS_LIST = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
-TREE = {  # recursive, with a base case: a leaf has no kids
-    "type": "object",
-    "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
-    "required": ["v"],
-}
 
 
-def nested(levels: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(levels):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
-
-
-def tool(name: str, parameters: object) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": name, "parameters": parameters}}
-
-
-@pytest.fixture(scope="module")
-def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    with running_engine(EngineConfig(num_kv_blocks=256), smol_loaded) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def url(engine: AsyncEngine) -> Iterator[str]:
-    with serving(engine, ServerSettings([MODEL])) as url:
-        yield url
+engine, url = engine_and_url(EngineConfig(num_kv_blocks=256), ServerSettings([MODEL]))
 
 
 @pytest.fixture(scope="module")
@@ -235,10 +184,6 @@ def assert_tree_so_far(choice: Any, text: str) -> None:
 
 
 # ---- 3. only declared tools come back as calls -----------------------------------------------------------
-
-
-def hermes_call(name: str) -> str:
-    return '<tool_call>\n{"name": "' + name + '", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 def test_a_declared_call_the_model_writes_is_a_tool_call(url: str) -> None:

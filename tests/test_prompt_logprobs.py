@@ -3,6 +3,7 @@ through the server, OpenAI's echo scoring and vLLM's prompt_logprobs."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from pagedserve.engine.worker import model_runner
 from pagedserve.engine.worker.batch import PromptRows
 from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
+from pagedserve.server.completions.protocol import CompletionChoice
+from pagedserve.server.logprobs import vllm_prompt_logprobs
 from tests.servers import served_engine
 from tests.test_engine import run
 
@@ -238,3 +241,20 @@ def test_vllm_prompt_logprobs_on_both_endpoints(url: str) -> None:
         f"{url}/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
     )
     assert streamed.status_code == 400 and streamed.json()["error"]["code"] == "unsupported_parameter"
+
+
+def test_vllm_prompt_logprobs_are_plain_dicts() -> None:
+    """63,000 entries for 3,000 prompt tokens with their top 20: as pydantic models they held the server's event
+    loop (every stream's next chunk) for a second; as dicts they cost a tenth, and the answer's JSON is the same."""
+    items = [None, TokenLogprob(5, -1.5, [(7, -0.5), (5, -1.5)], 2)]
+    out = vllm_prompt_logprobs(items, lambda token_id: f"<{token_id}>")
+    assert out == [
+        None,
+        {
+            "5": {"logprob": -1.5, "rank": 2, "decoded_token": "<5>"},
+            "7": {"logprob": -0.5, "rank": 1, "decoded_token": "<7>"},
+        },
+    ]
+    assert all(type(entry) is dict for entry in (out[1] or {}).values())
+    choice = CompletionChoice(index=0, text="", prompt_logprobs=out)
+    assert json.loads(choice.model_dump_json())["prompt_logprobs"] == out

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 import typing
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -19,7 +18,7 @@ from pagedserve.engine.text.tokenizer import apply_chat_template
 from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
 from pagedserve.server.responses.protocol import RESPONSES, RESPONSES_ACCEPTED, ResponsesRequest
-from tests.servers import running_engine, serving
+from tests.servers import engine_and_url
 from tests.test_server_errors import assert_error
 
 MODEL = "smol"
@@ -42,16 +41,7 @@ STREAM_ORDER_TAIL = ["response.output_text.done", "response.content_part.done", 
 CONFIG = EngineConfig(num_kv_blocks=128, max_num_seqs=1, max_queue_len=1)
 
 
-@pytest.fixture(scope="module")
-def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    with running_engine(CONFIG, smol_loaded) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def url(engine: AsyncEngine) -> Iterator[str]:
-    with serving(engine, ServerSettings([MODEL, ALIAS])) as url:
-        yield url
+engine, url = engine_and_url(CONFIG, ServerSettings([MODEL, ALIAS]))
 
 
 @pytest.fixture(scope="module")

@@ -3,33 +3,21 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.client.async_engine import AsyncEngine
-from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
-from tests.servers import running_engine, serving
+from tests.servers import engine_and_url
 
 MODEL = "smol"
 ALIAS = "smol-alias"
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
-@pytest.fixture(scope="module")
-def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    with running_engine(EngineConfig(num_kv_blocks=128, max_num_seqs=16), smol_loaded) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def url(engine: AsyncEngine) -> Iterator[str]:
-    with serving(engine, ServerSettings([MODEL, ALIAS])) as url:
-        yield url
+engine, url = engine_and_url(EngineConfig(num_kv_blocks=128, max_num_seqs=16), ServerSettings([MODEL, ALIAS]))
 
 
 @pytest.fixture(scope="module")

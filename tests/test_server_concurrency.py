@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -12,25 +11,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.engine import EngineConfig
 from pagedserve.engine.client.async_engine import AsyncEngine
-from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
-from tests.servers import running_engine, serving
+from tests.servers import engine_and_url
 
 MODEL = "smol"
 NUM_STREAMS = 32
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    with running_engine(EngineConfig(num_kv_blocks=256, max_num_seqs=32), smol_loaded) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def url(engine: AsyncEngine) -> Iterator[str]:
-    with serving(engine, ServerSettings([MODEL])) as url:
-        yield url
+engine, url = engine_and_url(EngineConfig(num_kv_blocks=256, max_num_seqs=32), ServerSettings([MODEL]))
 
 
 def body(i: int, max_tokens: int, stream: bool = True) -> dict:

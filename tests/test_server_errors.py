@@ -10,9 +10,8 @@ import pytest
 
 from pagedserve.engine import EngineConfig
 from pagedserve.engine.client.async_engine import AsyncEngine
-from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
-from tests.servers import running_engine, serving
+from tests.servers import engine_and_url, serving
 
 MODEL = "smol"
 KEY = "s3cret"
@@ -21,16 +20,7 @@ HELLO = [{"role": "user", "content": "Hi"}]
 CONFIG = EngineConfig(num_kv_blocks=8, max_num_seqs=1, max_queue_len=1)
 
 
-@pytest.fixture(scope="module")
-def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    with running_engine(CONFIG, smol_loaded) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def url(engine: AsyncEngine) -> Iterator[str]:
-    with serving(engine, ServerSettings([MODEL])) as url:
-        yield url
+engine, url = engine_and_url(CONFIG, ServerSettings([MODEL]))
 
 
 @pytest.fixture(scope="module")

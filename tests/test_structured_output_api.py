@@ -14,9 +14,8 @@ from pydantic import BaseModel, Field
 
 from pagedserve.engine import EngineConfig
 from pagedserve.engine.client.async_engine import AsyncEngine
-from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
-from tests.servers import running_engine, serving
+from tests.servers import engine_and_url, serving
 from tests.test_server_errors import assert_error
 
 MODEL = "smol"
@@ -55,16 +54,7 @@ class City(BaseModel):
     kind: Literal["capital", "town"]
 
 
-@pytest.fixture(scope="module")
-def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    with running_engine(EngineConfig(num_kv_blocks=256), smol_loaded) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def url(engine: AsyncEngine) -> Iterator[str]:
-    with serving(engine, ServerSettings([MODEL])) as url:
-        yield url
+engine, url = engine_and_url(EngineConfig(num_kv_blocks=256), ServerSettings([MODEL]))
 
 
 @pytest.fixture(scope="module")

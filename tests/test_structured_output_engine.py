@@ -156,6 +156,19 @@ def test_a_bad_constraint_is_refused_with_the_librarys_reason(tiny_llama_loaded:
         StructuredOutput.choice([])
 
 
+@pytest.mark.parametrize("given_as", ["text", "dict"])
+def test_a_schema_nested_past_python_s_recursion_limit_is_a_value_error(given_as: str) -> None:
+    """What the offline API takes (the server refuses such schemas earlier, past 64 levels)."""
+    levels = 100_000
+    schema: object = '{"items": ' * levels + "{}" + "}" * levels
+    if given_as == "dict":
+        schema = {}
+        for _ in range(5_000):
+            schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(ValueError, match="nested too deeply"):
+        StructuredOutput.json_schema(schema)  # type: ignore[arg-type]
+
+
 def test_listed_properties_are_the_only_ones_unless_the_schema_says_otherwise() -> None:
     schema = {
         "type": "object",

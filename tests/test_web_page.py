@@ -14,12 +14,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.engine import EngineConfig
 from pagedserve.engine.client.async_engine import AsyncEngine
-from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.cli import build_parser
 from tests.background import BackgroundServer
 from tests.browser import Browser, require_chromium
-from tests.servers import running_engine, serving
+from tests.servers import engine_and_url, serving
 
 MODEL = "smol"
 WEB = Path(__file__).resolve().parents[1] / "server" / "web"
@@ -28,16 +27,7 @@ LAST_REPLY = "[...document.querySelectorAll('.message.assistant')].at(-1)"
 LONG_REPLY = {"max-tokens": "600", "extra": '{"ignore_eos": true}'}
 
 
-@pytest.fixture(scope="module")
-def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    with running_engine(EngineConfig(num_kv_blocks=256, max_num_seqs=4), smol_loaded) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def url(engine: AsyncEngine) -> Iterator[str]:
-    with serving(engine, ServerSettings([MODEL])) as url:
-        yield url
+engine, url = engine_and_url(EngineConfig(num_kv_blocks=256, max_num_seqs=4), ServerSettings([MODEL]))
 
 
 @pytest.fixture(scope="module")

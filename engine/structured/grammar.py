@@ -9,6 +9,7 @@ sandbox's. The masks a step needs are built in masks.py.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import time
 import weakref
@@ -40,6 +41,17 @@ PARSER_LIMITS: dict[str, Any] = {
 SANDBOX_STACK_BYTES = 8 << 20  # a Linux thread's default: where llguidance ran before the sandbox existed
 COMPILE_STACK_BYTES = 8 * SANDBOX_STACK_BYTES  # what compiled in a child compiles here with room to spare
 PROBE_TOKENS = 4  # first tokens the sandbox consumes, each on a copy, to find a limit tripped at once
+# Compiling is background work (seconds of CPU for a big grammar, done up to three times: the API's check and the
+# core's in sandbox children, then the core's own), and the step loop's forward is not: its OpenMP threads meet
+# at a barrier in every layer, so one that loses its core to a compile stalls the whole step, every other stream's
+# next token with it. Compile threads and sandbox children run this much nicer than the engine.
+COMPILE_NICENESS = 10
+
+
+def background_nice() -> int:
+    """The nice value for compiling: COMPILE_NICENESS above the process's main thread (a child process inherits
+    the value of the thread that starts it, which may be a compile thread already)."""
+    return min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + COMPILE_NICENESS)
 
 
 def library_error(matcher: llguidance.LLMatcher) -> str:
@@ -79,7 +91,9 @@ class GrammarCompiler:
         self._compiling: dict[StructuredOutput, concurrent.futures.Future[llguidance.LLMatcher]] = {}
         self._sandbox: GrammarSandbox | None = None
         self._lock = threading.Lock()
-        self._threads = StackedThreads("pagedserve-grammar", COMPILE_STACK_BYTES, num_threads=2)
+        self._threads = StackedThreads(
+            "pagedserve-grammar", COMPILE_STACK_BYTES, num_threads=2, niceness=COMPILE_NICENESS
+        )
         weakref.finalize(self, self._threads.close)
         self.compile_seconds = 0.0  # in compiling here (cache misses) and building first masks, summed
 
@@ -159,6 +173,7 @@ class GrammarCompiler:
                     "limits": self._limits,
                     "probe_tokens": self._probe_tokens,
                     "stack_bytes": SANDBOX_STACK_BYTES,
+                    "nice": background_nice(),
                 }
                 self._sandbox = shared_sandbox(config)
             return self._sandbox

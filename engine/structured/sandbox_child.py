@@ -116,6 +116,8 @@ def main() -> None:
     config = read_message(sys.stdin.buffer)
     if config is None:
         return
+    if "nice" in config:  # compiling is background work: the engine's steps come first
+        os.setpriority(os.PRIO_PROCESS, 0, max(config["nice"], os.getpriority(os.PRIO_PROCESS, 0)))
     # The compiling thread gets the stack the parent names: the engine compiles in its own process only what
     # compiled here, on a thread with several times this stack.
     threading.stack_size(config["stack_bytes"])
