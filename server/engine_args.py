@@ -13,13 +13,14 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any
 
-from pagedserve.engine.config import DTYPES, QUANTIZATIONS, EngineConfig
+from pagedserve.engine.config import DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
     "attention_backend": ("auto", "triton", "cpu"),
     "load_format": ("auto", "dummy"),
     "quantization": QUANTIZATIONS,
+    "speculative_method": SPECULATIVE_METHODS,
 }
 _FIELD_COMMENT = re.compile(r"^\s+(\w+):[^#\n]*#\s*(.+)$", re.MULTILINE)
 

@@ -93,6 +93,11 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def truncate_output(self, count: int) -> None:
+        """Drops the last `count` output tokens (a finishing sequence's tokens after its stop string)."""
+        del self.output_token_ids[len(self.output_token_ids) - count :]
+        del self.all_token_ids[len(self.all_token_ids) - count :]
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
