@@ -249,3 +249,44 @@ def test_seeded_sampling_repeats_itself_with_speculation(tiny_llama_loaded: Load
     first = generate(make_engine(tiny_llama_loaded, num_kv_blocks=64, **SPECULATIVE), prompts, params)
     second = generate(make_engine(tiny_llama_loaded, num_kv_blocks=64, **SPECULATIVE), prompts, params)
     assert first == second
+
+
+def test_offline_api_takes_the_speculative_config(tiny_llama_loaded: LoadedModel) -> None:
+    from pagedserve.engine import LLM
+
+    rng = random.Random(6)
+    prompts = [grounded_prompt(rng, 50) for _ in range(3)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    config = EngineConfig(model=str(tiny_llama_loaded.model_dir), num_kv_blocks=64)
+    with LLM.from_config(config, loaded=tiny_llama_loaded) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM.from_config(config.replace(**SPECULATIVE), loaded=tiny_llama_loaded) as llm:
+        speculative = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.stats().speculation
+    assert speculative == plain and stats.num_accepted_tokens > 0
+
+
+def test_the_request_field_reaches_the_sampling_params() -> None:
+    from pagedserve.server.completions.protocol import CompletionRequest
+
+    assert CompletionRequest(model="m", prompt="Hi", speculative=False).sampling_params().speculative is False
+    assert CompletionRequest(model="m", prompt="Hi").sampling_params().speculative is None
+
+
+def test_metrics_export_the_counters_as_vllm_names_them() -> None:
+    from pagedserve.engine.core.messages import EngineSnapshot
+    from pagedserve.server.metrics import ServerMetrics
+
+    class Engine:
+        def snapshot(self) -> EngineSnapshot:
+            return EngineSnapshot(
+                spec_decode_num_drafts=3,
+                spec_decode_num_draft_tokens=9,
+                spec_decode_num_accepted_tokens=5,
+                spec_decode_num_accepted_tokens_per_pos=(3, 2, 0),
+            )
+
+    text = ServerMetrics(Engine(), "m").render().decode()  # type: ignore[arg-type]
+    assert 'pagedserve:spec_decode_num_draft_tokens_total{model_name="m"} 9.0' in text
+    assert 'pagedserve:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in text
+    assert 'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
