@@ -290,3 +290,20 @@ def test_metrics_export_the_counters_as_vllm_names_them() -> None:
     assert 'pagedserve:spec_decode_num_draft_tokens_total{model_name="m"} 9.0' in text
     assert 'pagedserve:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in text
     assert 'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
+
+
+def test_a_sequence_whose_proposals_are_rejected_outright_proposes_less_often() -> None:
+    from pagedserve.engine.core.speculator import _note_outcome, _pausing
+    from pagedserve.engine.scheduling.request import Request
+
+    request = Request("r", [1, 2, 3], SamplingParams(), max_tokens=10)
+    pauses = []
+    for _ in range(4):
+        _note_outcome(request, accepted=0)
+        steps = 0
+        while _pausing(request):
+            steps += 1
+        pauses.append(steps)
+    assert pauses == [1, 2, 4, 4]
+    _note_outcome(request, accepted=2)
+    assert not _pausing(request) and request.speculation_misses == 0

@@ -8,7 +8,8 @@ logits row for the last known token and for each proposal; `verify_all` keeps wh
 Not every sequence speculates: requests with a structured-output constraint (the grammar would have to follow
 every proposed position) or logprobs, and every sequence in a step whose running batch times (k + 1) exceeds
 the token budget, where a forward is bound by compute rather than by reading the weights and extra query tokens
-cost about what they compute.
+cost about what they compute. A sequence whose proposals were all rejected proposes again only after 1, 2, then
+4 decoding steps.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pagedserve.engine.speculative.ngram import NgramProposer
 from pagedserve.engine.speculative.proposer import Proposer
 
 logger = logging.getLogger(__name__)
+MAX_PAUSE_STEPS = 4  # after proposals rejected outright, steps without any: 1, 2, 4, 4, ... in a row
 
 
 @dataclass
@@ -45,6 +47,25 @@ class SpeculationStats:
             self.accepted_per_position += [0] * (num_proposed - len(self.accepted_per_position))
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+
+
+def _pausing(request: Request) -> bool:
+    """Whether the sequence skips proposing this step (counting the step down)."""
+    if request.speculation_pause > 0:
+        request.speculation_pause -= 1
+        return True
+    return False
+
+
+def _note_outcome(request: Request, accepted: int) -> None:
+    """A sequence whose proposals keep being rejected outright (text the proposer cannot guess) proposes less
+    often: each wasted verification costs its rows' compute, which on the CPU's block formats is close to a
+    decode step per row."""
+    if accepted > 0:
+        request.speculation_misses = 0
+        return
+    request.speculation_misses += 1
+    request.speculation_pause = min(2 ** (request.speculation_misses - 1), MAX_PAUSE_STEPS)
 
 
 def make_proposer(config: EngineConfig) -> Proposer | None:
@@ -67,7 +88,7 @@ class Speculator:
         """Proposed next tokens by sequence id, for the running sequences that speculate this step."""
         if self.proposer is None or len(running) * (self.num_tokens + 1) > self.token_budget:
             return {}
-        candidates = [r for r in running if self._speculates(r)]
+        candidates = [r for r in running if self._speculates(r) and not _pausing(r)]
         # Room for the proposals and the target's token after them, within max_tokens and the context.
         limits = [
             min(self.num_tokens, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
@@ -103,6 +124,7 @@ class Speculator:
                 failed[request.parent_id] = f"sampling failed: {exc}"
                 continue
             verified[request.request_id] = tokens
+            _note_outcome(request, accepted=len(tokens) - 1)
             for stats in (self.stats, self.totals):
                 stats.record(len(item.draft_token_ids), len(tokens) - 1)
         return verified, failed
