@@ -66,7 +66,8 @@ def generate(
         if after_step is not None:
             after_step(engine)
         for delta in deltas:
-            entry = results.setdefault(delta.request_id, {"tokens": [], "text": ""})
+            key = delta.request_id if delta.index == 0 else f"{delta.request_id}/{delta.index}"
+            entry = results.setdefault(key, {"tokens": [], "text": ""})
             entry["tokens"] += delta.new_token_ids
             entry["text"] += delta.new_text
             if delta.finished:
@@ -323,3 +324,19 @@ def test_a_sequence_whose_proposals_are_rejected_outright_proposes_less_often() 
     assert pauses == [1, 2, 4, 4]
     _note_outcome(request, accepted=2)
     assert not _pausing(request) and request.speculation_misses == 0
+
+
+def test_parallel_samples_and_prompt_logprobs_speculate_beside_each_other(tiny_vocab_loaded: LoadedModel) -> None:
+    """n = 3 samples fork from one prompt's blocks (copied on write) and then verify proposals each; a request
+    that scores its prompt speculates after it; greedy ones equal plain decoding, and every block comes back."""
+    prompts = [[0, 1, 2, 3, 4, 5, 6] * 3, [5, 6, 5, 4, 3, 5, 6, 5, 4] * 2]
+    params = [
+        SamplingParams(n=3, max_tokens=40, temperature=0, ignore_eos=True, detokenize=False),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, detokenize=False, prompt_logprobs=2),
+    ]
+    plain = generate(make_engine(tiny_vocab_loaded, num_kv_blocks=128), prompts, params)
+    engine = make_engine(tiny_vocab_loaded, num_kv_blocks=128, block_size=4, **SPECULATIVE)
+    speculative = generate(engine, prompts, params, holds_no_block_past_its_tokens)
+    assert speculative == plain and len(plain["r0/2"]["tokens"]) == 40
+    assert engine.collect_stats().speculation.num_accepted_tokens > 0
+    assert_kv_all_free(engine)
