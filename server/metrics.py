@@ -167,6 +167,6 @@ class _EngineCollector(Collector):
             "Proposed tokens accepted, by their position in the proposal (0 first).",
             labels=["model_name", "position"],
         )
-        for position, count in enumerate(snapshot.spec_decode_num_accepted_tokens_per_pos):
+        for position, count in enumerate(snapshot.spec_decode_num_accepted_tokens_per_pos or ()):
             per_position.add_metric([*self._labels, str(position)], count)
         yield per_position
