@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+SPECULATIVE_METHODS = ("ngram",)
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 ACTIVATION_DTYPES = ("auto", "float32", "int8", "int16")
 
@@ -55,6 +56,13 @@ class EngineConfig:
     # Structured output
     jump_forward: bool = True  # tokens a constraint forces on greedy requests are appended without a forward each
 
+    # Speculative decoding
+    speculative_method: str | None = None  # ngram: propose what followed the last n tokens earlier on (None: off)
+    num_speculative_tokens: int = 4  # k: tokens proposed, and verified in one forward, per sequence and step
+    ngram_min: int = 2  # the shortest n-gram matched
+    ngram_max: int = 4  # the longest n-gram matched (tried first)
+    speculative_default: bool = True  # whether requests that leave `speculative` unset speculate
+
     # Execution
     attention_backend: str = "auto"  # auto | triton | cpu
     enforce_eager: bool = False  # disables CUDA graphs
@@ -90,6 +98,14 @@ class EngineConfig:
             (0 <= self.engine_niceness <= 19, "engine_niceness", "in [0, 19]"),
             (self.engine_heartbeat_timeout > 0, "engine_heartbeat_timeout", "> 0 seconds"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1"),
+            (
+                self.speculative_method in (None, *SPECULATIVE_METHODS),
+                "speculative_method",
+                f"one of {SPECULATIVE_METHODS} or None",
+            ),
+            (1 <= self.num_speculative_tokens <= 32, "num_speculative_tokens", "in [1, 32]"),
+            (self.ngram_min >= 1, "ngram_min", ">= 1"),
+            (self.ngram_max >= self.ngram_min, "ngram_max", ">= ngram_min"),
         ]
         for ok, name, rule in checks:
             if not ok:

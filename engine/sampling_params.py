@@ -131,6 +131,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: token ids only (benchmarks, clients that decode themselves)
     structured_output: StructuredOutput | None = None  # a constraint on the output (JSON schema, regex, ...)
+    speculative: bool | None = None  # speculative decoding for this request; None: the engine's default
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -22,6 +22,9 @@ DECODE_GROUP_SIZE = 16  # decode sequences per batched call: bounds padding to t
 # again, from cache, and beats SDPA's flash kernel (gather included) below ~800 tokens on 2 cores
 # (`python -m benchmarks.cpu_prefill_attention`: 1.4-1.6x at 64-400 tokens, 0.9x at 800).
 NATIVE_PREFILL_MAX_LEN = 512
+# A chunk of a few query rows (a decoding sequence verifying proposed tokens) is a few decode rows to the native
+# kernel, at any length: SDPA's per-sequence call pays its gather of the whole context for those few rows.
+NATIVE_QUERY_MAX_ROWS = 16
 
 
 @dataclass
@@ -68,11 +71,11 @@ class AttentionPlan:
 
     @cached_property
     def native_prefills(self) -> list[_PrefillSlice]:
-        return [piece for piece in self.prefills if piece.seq_len <= NATIVE_PREFILL_MAX_LEN]
+        return [piece for piece in self.prefills if _native(piece)]
 
     @cached_property
     def sdpa_prefills(self) -> list[_PrefillSlice]:
-        return [piece for piece in self.prefills if piece.seq_len > NATIVE_PREFILL_MAX_LEN]
+        return [piece for piece in self.prefills if not _native(piece)]
 
     @cached_property
     def native_rows(self) -> _NativeRows:
@@ -101,6 +104,10 @@ class AttentionPlan:
             _decode_group(self.metadata, seqs[first : first + DECODE_GROUP_SIZE], self.starts)
             for first in range(0, len(seqs), DECODE_GROUP_SIZE)
         ]
+
+
+def _native(piece: _PrefillSlice) -> bool:
+    return piece.seq_len <= NATIVE_PREFILL_MAX_LEN or piece.query_end - piece.query_begin <= NATIVE_QUERY_MAX_ROWS
 
 
 def plan_attention(metadata: AttentionMetadata) -> AttentionPlan:

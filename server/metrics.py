@@ -125,6 +125,24 @@ class _EngineCollector(Collector):
             "Tokens a constraint forced, without a forward.",
             "jump_forward_tokens",
         ),
+        (
+            CounterMetricFamily,
+            "spec_decode_num_drafts",
+            "Sequence steps that verified proposed tokens.",
+            "spec_decode_num_drafts",
+        ),
+        (
+            CounterMetricFamily,
+            "spec_decode_num_draft_tokens",
+            "Proposed tokens verified.",
+            "spec_decode_num_draft_tokens",
+        ),
+        (
+            CounterMetricFamily,
+            "spec_decode_num_accepted_tokens",
+            "Proposed tokens accepted.",
+            "spec_decode_num_accepted_tokens",
+        ),
         (GaugeMetricFamily, "tensor_parallel_size", "Ranks the model is split over.", "tensor_parallel_size"),
         (
             CounterMetricFamily,
@@ -144,3 +162,11 @@ class _EngineCollector(Collector):
             family = kind(PREFIX + name, doc, labels=["model_name"])
             family.add_metric(self._labels, getattr(snapshot, field))
             yield family
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by their position in the proposal (0 first).",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(snapshot.spec_decode_num_accepted_tokens_per_pos or ()):
+            per_position.add_metric([*self._labels, str(position)], count)
+        yield per_position

@@ -62,6 +62,7 @@ _SAMPLING_FIELDS = (
     "min_tokens",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "speculative",
 )
 
 
@@ -119,6 +120,7 @@ class SamplingRequest(RequestBody):
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None  # vLLM's: special tokens left out of the text (default true)
     include_stop_str_in_output: bool | None = None  # vLLM's: the matched stop string kept in the text
+    speculative: bool | None = None  # pagedserve's: speculative decoding for this request (default: the server's)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored

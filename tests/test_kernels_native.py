@@ -116,7 +116,8 @@ def test_backend_with_and_without_native_decode_agree(kernel, seq_lens, query_le
 
 def test_short_prefills_go_to_the_kernel_row_by_row_and_long_ones_to_sdpa(kernel) -> None:
     """A long prefill chunk, a whole short prompt, a decode and a short chunk after a cached prefix, together."""
-    seq_lens, query_lens = [NATIVE_PREFILL_MAX_LEN + 20, 60, 30, 45], [40, 60, 1, 12]
+    # The last: a few rows of a long sequence (proposed tokens verified): decode rows to the kernel, not SDPA.
+    seq_lens, query_lens = [NATIVE_PREFILL_MAX_LEN + 20, 60, 30, 45, NATIVE_PREFILL_MAX_LEN + 90], [40, 60, 1, 12, 5]
     case = make_paged_case(seq_lens, query_lens, num_heads=9, num_kv_heads=3)
     write_kv_reference(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
     backend = CpuBackend(native=True)
@@ -124,10 +125,10 @@ def test_short_prefills_go_to_the_kernel_row_by_row_and_long_ones_to_sdpa(kernel
         AttentionMetadata.from_tensors(case.block_tables, case.seq_lens, case.query_start_loc, case.k_cache.shape[1])
     )
     plan = metadata.plan
-    assert [piece.seq for piece in plan.native_prefills] == [1, 3]
+    assert [piece.seq for piece in plan.native_prefills] == [1, 3, 4]
     assert [piece.seq for piece in plan.sdpa_prefills] == [0]
     lens = plan.native_rows.context_lens
-    assert lens.tolist() == sorted(lens.tolist(), reverse=True) and lens.numel() == 60 + 1 + 12
+    assert lens.tolist() == sorted(lens.tolist(), reverse=True) and lens.numel() == 60 + 1 + 12 + 5
     out = backend.paged_attention(case.query, case.k_cache, case.v_cache, metadata, case.scale)
     expected = paged_attention_reference(
         case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc, case.scale

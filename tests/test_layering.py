@@ -25,6 +25,7 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
     ("client", ("pagedserve.engine.client",)),
     ("core", ("pagedserve.engine.core",)),
     ("structured", ("pagedserve.engine.structured",)),
+    ("speculative", ("pagedserve.engine.speculative",)),
     ("scheduling", ("pagedserve.engine.scheduling",)),
     ("worker", ("pagedserve.engine.worker",)),
     ("text", ("pagedserve.engine.text",)),

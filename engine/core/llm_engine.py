@@ -13,6 +13,7 @@ import torch
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.messages import EngineSnapshot
 from pagedserve.engine.core.sampler import Sampler
+from pagedserve.engine.core.speculator import SpeculationStats, Speculator, split_rows
 from pagedserve.engine.outputs import PromptLogprobs, RequestMetrics, SequenceDelta, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduling.kv_cache_manager import KVCacheManager
@@ -43,6 +44,7 @@ class EngineStats:
     forward_seconds: float = 0.0  # in the model's forward; filled by collect_stats from the runner's clock
     communication_seconds: float = 0.0  # rank 0's time in tensor-parallel collectives (inside forward_seconds)
     tensor_parallel_size: int = 1
+    speculation: SpeculationStats = dataclasses.field(default_factory=SpeculationStats)
 
 
 class LLMEngine:
@@ -85,6 +87,7 @@ class LLMEngine:
             max_queue_len=self.config.max_queue_len,
         )
         self.sampler = Sampler()
+        self.speculator = Speculator(self.config, self.max_model_len)
         self.constraints = Constraints(
             self.tokenizer, self.loaded.spec.vocab_size, self.loaded.eos_token_ids, self.config.jump_forward
         )
@@ -162,6 +165,7 @@ class LLMEngine:
     def snapshot(self) -> EngineSnapshot:
         constraints = self.constraints.stats()
         constraints_compiling = self.constraints.num_compiling  # waiting too, outside the scheduler
+        speculation = self.speculator.totals
         return EngineSnapshot(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting + constraints_compiling,
@@ -179,17 +183,23 @@ class LLMEngine:
             jump_forward_tokens=constraints.num_jumped_tokens,
             tensor_parallel_size=self.config.tensor_parallel_size,
             communication_seconds=self.executor.communication_seconds,
+            spec_decode_num_drafts=speculation.num_drafts,
+            spec_decode_num_draft_tokens=speculation.num_draft_tokens,
+            spec_decode_num_accepted_tokens=speculation.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(speculation.accepted_per_position),
         )
 
     def collect_stats(self, reset: bool = False) -> EngineStats:
         stats = dataclasses.replace(
             self.stats,
+            speculation=dataclasses.replace(self.speculator.stats),
             forward_seconds=self.runner.forward_seconds,
             communication_seconds=self.executor.communication_seconds,
             tensor_parallel_size=self.config.tensor_parallel_size,
         )
         if reset:
             self.stats = EngineStats()
+            self.speculator.stats = SpeculationStats()
             self.executor.reset_clocks()
         return stats
 
@@ -240,10 +250,11 @@ class LLMEngine:
 
     def _step(self) -> list[SequenceDelta]:
         start = time.perf_counter()
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self.speculator.propose(self.scheduler.running))
         if out.is_empty:
             return self._errors_for_stuck_requests()
-        sampling, rows = sibling_rows([s.request for s in out.scheduled if s.samples], self.scheduler.forks)
+        plain = [s.request for s in out.scheduled if s.samples and not s.draft_token_ids]
+        sampling, rows = sibling_rows(plain, self.scheduler.forks)
         masks = self.constraints.start(sampling)  # filled while the forward runs
         try:
             logits = self.executor.execute(out.scheduled, self.kv.take_pending_copies())
@@ -256,17 +267,22 @@ class LLMEngine:
             return [d for rid in ids for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, str(exc))]
         for item in out.scheduled if logits.prompt_logprobs else ():
             item.request.prompt_logprobs += logits.prompt_logprobs.get(item.request.request_id, [])
-        sampled, failed = self._sample(sampling, self.constraints.mask(expand_logits(logits.sampling, rows), masks))
+        plain_logits, verifying, verifying_logits = split_rows(logits.sampling, out.scheduled)
+        sampled, failed = self._sample(sampling, self.constraints.mask(expand_logits(plain_logits, rows), masks))
+        verified, refused = self.speculator.verify_all(verifying, verifying_logits)
         tokens = {rid: token for rid, (token, _) in sampled.items()}
-        failed |= self.constraints.consume(sampling, tokens)
+        failed |= refused | self.constraints.consume(sampling, tokens)
         deltas = [d for rid, why in failed.items() for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, why)]
-        progressed = self.scheduler.update(out, tokens)
-        jumped, broken = self.constraints.settle(progressed, self.scheduler)
+        before = {s.request.request_id: s.request.num_output_tokens for s in out.scheduled}
+        progressed = self.scheduler.update(out, tokens, verified)
+        _, broken = self.constraints.settle(progressed, self.scheduler)
         deltas += [d for rid, why in broken.items() for d in self._finish_group(rid, RequestStatus.FINISHED_ERROR, why)]
         progressed = [r for r in progressed if r.parent_id not in broken]
-        num_new = {r.request_id: 1 + len(jumped.get(r.request_id, ())) for r in progressed}
+        # One token a sequence, or several: those a constraint forced after it, or accepted proposals.
+        num_new = {r.request_id: r.num_output_tokens - before.get(r.request_id, 0) for r in progressed}
         for request in progressed:
-            deltas += self._delta_or_failure(request, sampled[request.request_id][1], num_new[request.request_id])
+            logprob = sampled.get(request.request_id, (0, None))[1]
+            deltas += self._delta_or_failure(request, logprob, num_new[request.request_id])
         deltas += self._finish_prompt_only(out)
         self._record_step(progressed, num_new, start)
         return deltas
@@ -332,7 +348,13 @@ class LLMEngine:
         text, stop_string = "", None
         detokenizer = self._detokenizers.get(request.request_id)
         if detokenizer is not None:
-            text, stop_string = detokenizer.update(new_tokens)
+            text, stop_string, kept = _detokenize(detokenizer, new_tokens, bool(request.params.stop))
+            if kept < len(new_tokens):  # a stop string ended the run before its last tokens: they never came
+                request.truncate_output(len(new_tokens) - kept)
+                new_tokens = new_tokens[:kept]
+                if request.is_finished:  # at a token-level stop after the stop string: the string came first
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    request.stop_reason = stop_string
         if stop_string is not None and not request.is_finished:
             request.stop_reason = stop_string
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
@@ -344,7 +366,7 @@ class LLMEngine:
             new_token_ids=new_tokens,
             new_text=text,
             new_logprobs=None if logprob is None else [logprob],
-            prompt_logprobs=_prompt_logprobs(request) if request.num_output_tokens == num_new else None,
+            prompt_logprobs=_prompt_logprobs(request) if request.num_output_tokens == len(new_tokens) else None,
         )
         if request.is_finished:
             self._complete(request, delta)
@@ -413,6 +435,21 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
+
+
+def _detokenize(detokenizer: IncrementalDetokenizer, tokens: list[int], has_stops: bool) -> tuple[str, str | None, int]:
+    """The text of a step's new tokens, the stop string that matched, and how many tokens it kept: with stop
+    strings and several tokens (accepted proposals, forced ones) a token at a time, up to the first stop."""
+    if not has_stops or len(tokens) == 1:
+        text, stop = detokenizer.update(tokens)
+        return text, stop, len(tokens)
+    pieces = []
+    for count, token in enumerate(tokens, 1):
+        piece, stop = detokenizer.update([token])
+        pieces.append(piece)
+        if stop is not None:
+            return "".join(pieces), stop, count
+    return "".join(pieces), None, len(tokens)
 
 
 def _prompt_logprobs(request: Request) -> PromptLogprobs | None:

@@ -91,6 +91,12 @@ class EngineSnapshot:
     jump_forward_tokens: int = 0
     tensor_parallel_size: int = 1
     communication_seconds: float = 0.0  # rank 0's time in tensor-parallel collectives
+    # Speculative decoding (engine/core/speculator.py's counters): sequences that verified proposals, tokens
+    # proposed, tokens accepted, and per proposal position how many drafts had it accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 @dataclass

@@ -142,10 +142,18 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 
 
 def _sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    return draw(target_probs(logits, requests), requests)
+
+
+def target_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The distribution each row's token is drawn from: temperature, then top-k / top-p / min-p."""
     temperature = _column([r.params.temperature for r in requests], logits.device)
-    logits = _filter_top_k_top_p_min_p(logits / temperature, requests)
-    probs = logits.softmax(dim=-1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each seeded row uses its own stream.
+    return _filter_top_k_top_p_min_p(logits / temperature, requests).softmax(dim=-1)
+
+
+def draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """One token a row from `probs` (rows need not sum to one); each seeded row uses its own stream."""
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
     noise = torch.empty_like(probs).exponential_()
     for row, request in enumerate(requests):
         if request.generator is not None:  # host generators: reproducible on any device

@@ -124,6 +124,18 @@ class KVCacheManager:
         self._num_registered.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Frees the request's blocks beyond the first `num_tokens` tokens (proposals that were rejected).
+
+        They were never registered in the prefix cache: only blocks full of known tokens are."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if blocks is None or len(blocks) <= keep:
+            return
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(reversed(extra))
+
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
 

@@ -70,6 +70,9 @@ class Request:
         self.times = RequestTimes() if arrival_time is None else RequestTimes(arrival=arrival_time)
         self.generator: torch.Generator | None = None
         self.grammar: llguidance.LLMatcher | None = None  # set by the engine when params.structured_output
+        # Speculative decoding: proposals rejected outright in a row, and decoding steps left without any.
+        self.speculation_misses = 0
+        self.speculation_pause = 0
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
 
@@ -92,6 +95,11 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, count: int) -> None:
+        """Drops the last `count` output tokens (a finishing sequence's tokens after its stop string)."""
+        del self.output_token_ids[len(self.output_token_ids) - count :]
+        del self.all_token_ids[len(self.all_token_ids) - count :]
 
     def __repr__(self) -> str:
         return (

@@ -26,14 +26,17 @@ class QueueFullError(RuntimeError):
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the proposed tokens included
+    # Proposed next tokens computed after the last known one (speculative decoding): this step verifies them.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step computes the request's last known token, whose logits give the next one
         (unless the request only scores its prompt: max_tokens 0)."""
         request = self.request
-        return request.num_computed_tokens + self.num_new_tokens == request.num_tokens and request.max_tokens > 0
+        known = self.num_new_tokens - len(self.draft_token_ids)
+        return request.num_computed_tokens + known == request.num_tokens and request.max_tokens > 0
 
 
 @dataclass
@@ -113,16 +116,22 @@ class Scheduler:
                 f"{self.max_model_len} tokens including at least one generated token"
             )
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """`proposals`: guessed next tokens of decoding requests, verified this step where the token budget
+        and the KV cache have room for them (a guess never preempts anything: it is dropped instead)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new, cost = _fit(request, request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, out.preempted):
-                break  # the request preempted itself: nothing after it is left running
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            drafts = self._fit_drafts(request, (proposals or {}).get(request.request_id, []), budget)
+            if drafts:
+                num_new = cost = 1 + len(drafts)
+            else:
+                num_new, cost = _fit(request, request.num_computed_tokens, budget)
+                if not self._allocate_or_preempt(request, num_new, out.preempted):
+                    break  # the request preempted itself: nothing after it is left running
+            out.scheduled.append(ScheduledRequest(request, num_new, drafts))
             budget -= cost
             index += 1
         if not out.preempted:
@@ -132,6 +141,13 @@ class Scheduler:
             if item.request.times.first_scheduled is None:
                 item.request.times.first_scheduled = now
         return out
+
+    def _fit_drafts(self, request: Request, drafts: list[int], budget: int) -> list[int]:
+        """The proposed tokens a decoding request verifies this step: all of them, with their KV slots
+        allocated, or none (no budget or no free block for them)."""
+        if not drafts or request.num_computed_tokens != request.num_tokens - 1 or 1 + len(drafts) > budget:
+            return []
+        return drafts if self.kv.allocate_slots(request, 1 + len(drafts)) else []
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
         while not self.kv.allocate_slots(request, num_new):
@@ -168,15 +184,24 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= cost
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, int], verified: dict[str, list[int]] | None = None
+    ) -> list[Request]:
         """Advances computed tokens, appends sampled tokens, finishes requests that hit a token-level stop.
 
         `sampled` also holds the first tokens of siblings that fork this step (see `PendingForks.pending`).
-        Returns the requests that received a token this step.
+        `verified`: the tokens of requests that verified proposals this step (the accepted ones, then the
+        target's own), appended one by one up to the first stop. Returns the requests that received a token.
         """
         progressed = []
         for item in out.scheduled:
             request = item.request
+            if item.draft_token_ids:
+                tokens = (verified or {}).get(request.request_id)
+                if tokens is not None and not request.is_finished:
+                    self._take_verified(request, tokens)
+                    progressed.append(request)
+                continue
             request.num_computed_tokens += item.num_new_tokens
             token = sampled.get(request.request_id)
             if token is None or request.is_finished:
@@ -204,6 +229,16 @@ class Scheduler:
             self.running.append(child)
             self.append_token(child, token_ids[child.request_id])
         return siblings
+
+    def _take_verified(self, request: Request, tokens: list[int]) -> None:
+        """The last known token and the accepted proposals are computed; the rejected ones' KV is rolled back:
+        their positions are written again later, and the blocks only they needed go back to the pool."""
+        request.num_computed_tokens += len(tokens)  # the last known token + len(tokens) - 1 accepted proposals
+        for token in tokens:
+            self.append_token(request, token)
+            if request.is_finished:
+                return
+        self.kv.trim(request, request.num_tokens)
 
     def append_token(self, request: Request, token: int) -> None:
         """Appends a token to a running request and ends it at a token-level stop (length, EOS, stop ids)."""

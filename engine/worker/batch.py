@@ -42,6 +42,8 @@ class ScheduledSequence(Protocol):
     @property
     def num_new_tokens(self) -> int: ...
     @property
+    def draft_token_ids(self) -> Sequence[int]: ...  # proposed tokens after its known ones, verified this step
+    @property
     def samples(self) -> bool: ...
 
 
@@ -68,13 +70,14 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [R] rows of the last token of each sampling request
+    logits_indices: torch.Tensor  # [R] rows of each sampling request's last token (and of its proposed ones)
     prompt_rows: list[PromptRows] = field(default_factory=list)  # rows whose prompt logprobs were asked for
 
 
 @dataclass
 class StepLogits:
-    sampling: torch.Tensor  # [R, vocab] float32, one row per scheduled request that samples
+    # [R, vocab] float32: per scheduled request that samples, one row, or 1 + k with k proposed tokens
+    sampling: torch.Tensor
     prompt_logprobs: dict[str, list[TokenLogprob]]  # new prompt logprobs by sequence id
 
 

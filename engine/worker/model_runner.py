@@ -124,7 +124,7 @@ class ModelRunner(ShardRunner):
 
     def pack(self, scheduled: Sequence[ScheduledSequence]) -> HostBatch:
         """Flat inputs for all scheduled requests."""
-        if scheduled and all(s.num_new_tokens == 1 for s in scheduled):
+        if scheduled and all(s.num_new_tokens == 1 and not s.draft_token_ids for s in scheduled):
             return self._pack_decode(scheduled)
         return self._pack_any(scheduled)
 
@@ -133,9 +133,7 @@ class ModelRunner(ShardRunner):
         requests = [s.request for s in scheduled]
         num_new = [s.num_new_tokens for s in scheduled]
         computed = [r.num_computed_tokens for r in requests]
-        token_ids = list(
-            itertools.chain.from_iterable(r.all_token_ids[c : c + n] for r, c, n in zip(requests, computed, num_new))
-        )
+        token_ids = list(itertools.chain.from_iterable(_step_tokens(s, c) for s, c in zip(scheduled, computed)))
         query_lens = torch.tensor(num_new)
         query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
         torch.cumsum(query_lens, 0, out=query_start_loc[1:])
@@ -151,7 +149,7 @@ class ModelRunner(ShardRunner):
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             query_start_loc=query_start_loc,
             block_tables=block_tables,
-            logits_indices=(query_start_loc[1:][[s.samples for s in scheduled]] - 1).long(),
+            logits_indices=_sampling_rows(scheduled, query_start_loc),
             query_lens_host=num_new,
             seq_lens_host=seq_lens,
         )
@@ -210,6 +208,24 @@ class ModelRunner(ShardRunner):
         self.forward_seconds += time.perf_counter() - start
         self.num_tokens_processed += len(inputs.input_ids)
         return StepLogits(logits, prompt)
+
+
+def _step_tokens(item: ScheduledSequence, computed: int) -> list[int]:
+    """The tokens a sequence computes this step: its next known ones, then the proposed ones."""
+    known = item.request.all_token_ids[computed : computed + item.num_new_tokens]
+    return known + list(item.draft_token_ids) if item.draft_token_ids else known
+
+
+def _sampling_rows(scheduled: Sequence[ScheduledSequence], query_start_loc: torch.Tensor) -> torch.Tensor:
+    """The rows through the LM head: each sampling sequence's last known token and its proposed ones."""
+    sampling = [s.samples for s in scheduled]
+    num_rows = torch.tensor([1 + len(s.draft_token_ids) for s, x in zip(scheduled, sampling) if x])
+    ends = query_start_loc[1:][sampling].long()
+    if int(num_rows.sum()) == len(num_rows):
+        return ends - 1
+    seq = torch.repeat_interleave(torch.arange(len(num_rows)), num_rows)
+    offsets = torch.arange(len(seq)) - (torch.cumsum(num_rows, 0) - num_rows)[seq]
+    return ends[seq] - num_rows[seq] + offsets
 
 
 def _step_parts(batch: HostBatch, prompt_rows: list[PromptRows], copies: list[tuple[int, int]]) -> list[torch.Tensor]:
