@@ -19,6 +19,7 @@ from pagedserve.kernels.backend import KernelBackend
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight, DeviceQuantizedWeight, pack_for_device
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.kernels.quantized import FORMATS, QuantizedWeight
+from pagedserve.kernels.stacked_weight import ProjectionWeight
 from pagedserve.kernels.triton_attention import AttentionLaunch, TileShape, choose_tile_shape
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -76,7 +77,7 @@ class TritonBackend(KernelBackend):
         )
 
     def quantized_linear(
-        self, x: torch.Tensor, weight: AnyQuantizedWeight, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: ProjectionWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if isinstance(weight, DeviceQuantizedWeight):
             return triton_quantized_linear.quantized_linear(x, weight, bias)

@@ -26,7 +26,6 @@ from pagedserve.kernels.backend import KernelBackend
 from pagedserve.kernels.cpu_attention import plan_attention
 from pagedserve.kernels.cpu_backend import CpuBackend
 from pagedserve.kernels.cpu_native import VECTOR_LANES, native_function
-from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.quantized import FORMATS, INT8_MAX_TOKENS, QuantizedWeight, int8_linear_kernel
 from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 
@@ -246,7 +245,7 @@ def _describe(layer: LlamaDecoderLayer, cache: KVCache) -> _Layer:
     )
 
 
-def _block_weight(weight: AnyQuantizedWeight | None) -> _BlockWeight:
+def _block_weight(weight: ProjectionWeight | None) -> _BlockWeight:
     assert isinstance(weight, QuantizedWeight)
     return _BlockWeight(blocks=weight.blocks.data_ptr(), type=FORMATS[weight.qtype].ggml_type)
 
