@@ -10,11 +10,10 @@ torch code runs.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
-from pagedserve.kernels.cpu_native import native_library
+from pagedserve.kernels.cpu_native import bound_kernel, native_library
 
 
 class LayerOps:
@@ -94,7 +93,7 @@ class LayerOps:
         )
 
 
-@functools.cache
+@bound_kernel
 def layer_ops() -> LayerOps | None:
     library = native_library()
     return None if library is None else LayerOps(library)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedserve.kernels.cpu_native import native_function
+from pagedserve.kernels.cpu_native import bound_kernel, native_function
 
 # Token counts the kernel takes. Measured over a step's projections of SmolLM2 (benchmarks/cpu_linear.py, 2
 # cores, two runs): 1.4-2.3x torch's matmul at 4-32 tokens, 0.95-1.4x at 1 and at 48-128.
@@ -21,7 +21,7 @@ MIN_ROWS, MAX_ROWS = 1, 128
 SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-@functools.cache
+@bound_kernel
 def skinny_linear_kernel() -> SkinnyLinear | None:
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     argtypes = [pointer, i64, pointer, i64, pointer, pointer, i64, i64, i64, ctypes.c_int]

@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -43,6 +43,8 @@ from pagedserve.kernels.native_build import (
 )
 
 logger = logging.getLogger(__name__)
+_BOUND_KERNELS: list[Any] = []
+LoaderT = TypeVar("LoaderT", bound=Callable[..., Any])
 
 # -march=native: a library compiled here is only ever loaded by the machine that built it (the cache key
 # includes the CPU's flags).
@@ -58,11 +60,25 @@ WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 VECTOR_LANES = 8
 
 
+def bound_kernel(function: LoaderT) -> LoaderT:
+    """Memoises a function that loads the library or binds one of its kernels, and registers it so that
+    `forget_bound_kernels` can drop them all (after a change of build flags, cache folder or environment)."""
+    cached = functools.cache(function)
+    _BOUND_KERNELS.append(cached)
+    return cast(LoaderT, cached)
+
+
+def forget_bound_kernels() -> None:
+    """The next use of any kernel loads (or builds) the library again."""
+    for cached in _BOUND_KERNELS:
+        cached.cache_clear()
+
+
 def native_kernels_enabled() -> bool:
     return os.environ.get("PAGEDSERVE_NATIVE_KERNELS", "1") not in ("0", "false", "no", "off")
 
 
-@functools.cache
+@bound_kernel
 def native_library() -> ctypes.CDLL | None:
     """The compiled kernels (built now unless cached), or None where they cannot be built or are switched off."""
     if not native_kernels_enabled():
@@ -89,7 +105,7 @@ def native_function(symbol: str, argtypes: list[Any]) -> Callable[..., int] | No
     return function
 
 
-@functools.cache
+@bound_kernel
 def decode_attention_kernel() -> DecodeAttention | None:
     """`paged_decode_attention` bound to the compiled library, or None where it cannot be built."""
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -98,7 +114,7 @@ def decode_attention_kernel() -> DecodeAttention | None:
     return None if function is None else functools.partial(_paged_decode_attention, function)
 
 
-@functools.cache
+@bound_kernel
 def write_kv_kernel() -> WriteKV | None:
     """`write_kv` bound to the compiled library, or None where it cannot be built."""
     function = native_function("write_kv_f32", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5)

@@ -35,7 +35,7 @@ from pagedserve.kernels.block_formats import (
     QuantizedWeight,
     block_format,
 )
-from pagedserve.kernels.cpu_native import native_function
+from pagedserve.kernels.cpu_native import bound_kernel, native_function
 from pagedserve.kernels.quantized_reference import dequantize, dequantize_rows, quantize
 
 __all__ = [
@@ -139,7 +139,7 @@ def _kernel_for(x: torch.Tensor, weight: QuantizedWeight, activation_dtype: str)
     return quantized_linear_kernel()
 
 
-@functools.cache
+@bound_kernel
 def int8_linear_kernel(sixteen_bits: bool = False) -> QuantizedLinear | None:
     """csrc/int8_linear.c's product with x quantized to 8 bits (or 16), for every format of int8_formats(); None
     where the library cannot be built."""
@@ -149,7 +149,7 @@ def int8_linear_kernel(sixteen_bits: bool = False) -> QuantizedLinear | None:
     return None if function is None else functools.partial(_native_linear, {BLOCK: function, SUPER_BLOCK: function})
 
 
-@functools.cache
+@bound_kernel
 def int8_formats() -> frozenset[str]:
     """The formats csrc/int8_linear.c multiplies (none without the library)."""
     supports = native_function("int8_linear_supports", [ctypes.c_int])
@@ -161,7 +161,7 @@ def int8_formats() -> frozenset[str]:
 NativeFunctions = dict[int, Callable[..., int]]  # a block's weights (BLOCK, SUPER_BLOCK) -> the C function for it
 
 
-@functools.cache
+@bound_kernel
 def quantized_linear_kernel() -> QuantizedLinear | None:
     """The kernels bound to the compiled library (csrc/quantized_linear.c's for 32-weight blocks,
     csrc/kquant_linear.c's for K-quants), or None where it cannot be built."""
@@ -171,7 +171,7 @@ def quantized_linear_kernel() -> QuantizedLinear | None:
     return None if functions is None else functools.partial(_native_linear, functions)
 
 
-@functools.cache
+@bound_kernel
 def dequantize_kernel() -> Callable[[torch.Tensor, str], torch.Tensor] | None:
     """The C dequantization of rows of blocks (what `dequantize_rows` computes, ~40x faster), or None where
     the library cannot be built."""

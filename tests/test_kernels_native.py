@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_layer_ops, cpu_linear, cpu_native
+from pagedserve.kernels import cpu_layer_ops, cpu_native
 from pagedserve.kernels.cpu_attention import NATIVE_PREFILL_MAX_LEN
 from pagedserve.kernels.cpu_backend import CpuBackend
 from pagedserve.kernels.metadata import AttentionMetadata
@@ -147,14 +147,7 @@ def fresh_build(monkeypatch, tmp_path):
 
 
 def _forget_built_kernels() -> None:
-    cached_kernels = (
-        cpu_native.native_library,
-        cpu_native.decode_attention_kernel,
-        cpu_layer_ops.layer_ops,
-        cpu_linear.skinny_linear_kernel,
-    )
-    for cached in cached_kernels:
-        cached.cache_clear()
+    cpu_native.forget_bound_kernels()
 
 
 def test_build_is_cached_on_disk(fresh_build) -> None:

@@ -144,15 +144,12 @@ def other_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     flags = tuple(f"-march={march}" if flag == "-march=native" else flag for flag in cpu_native.CFLAGS)
     monkeypatch.setattr(cpu_native, "CFLAGS", flags)
     monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE_DIR", str(tmp_path))
-    cached = (cpu_native.native_library, quantized.quantized_linear_kernel, quantized.dequantize_kernel)
-    for function in cached:
-        function.cache_clear()
+    cpu_native.forget_bound_kernels()
     try:
         yield march
         assert list(tmp_path.glob("*.so")), "the kernels should have come from the build for that CPU"
     finally:
-        for function in cached:
-            function.cache_clear()
+        cpu_native.forget_bound_kernels()
 
 
 def test_kernels_built_for_other_cpus(other_build: str) -> None:

@@ -24,8 +24,10 @@ LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore
 SHORT = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
 # Four running sequences, four waiting places: a request with n=4 fills the batch, the next ones queue.
 QUEUE_CONFIG = EngineConfig(num_kv_blocks=128, max_num_seqs=4, max_queue_len=4)
-# One running sequence; the waiting one fails after 0.5 s, every request after 3 s.
-TIMED_CONFIG = EngineConfig(num_kv_blocks=64, max_num_seqs=1, max_queue_time=0.5, request_timeout=3.0)
+# One running sequence; the waiting one fails after 0.5 s, every request after 2 s.
+TIMED_CONFIG = EngineConfig(num_kv_blocks=128, max_num_seqs=1, max_queue_time=0.5, request_timeout=2.0)
+# Far more tokens than the fastest CPU decodes in 2 s (SmolLM2 runs ~150 tokens/s here).
+OVERTIME = {**LONG, "max_tokens": 1500}
 
 
 @pytest.fixture(scope="module")
@@ -124,13 +126,13 @@ def test_a_request_s_own_timeout_ends_its_wait_with_408(url: str, queue_engine: 
 
 
 def test_max_queue_time_is_503_and_request_timeout_504(timed_url: str, timed_engine: AsyncEngine) -> None:
-    with running_stream(timed_url, LONG) as running:
+    with running_stream(timed_url, OVERTIME) as running:
         queued = httpx.post(f"{timed_url}/v1/completions", json=SHORT, timeout=60)
         assert queued.status_code == 503 and queued.headers["retry-after"] == "1"
         assert error_of(queued)["code"] == "queue_timeout"
-        data = list(running)  # the running stream hits the 3 s request timeout
+        data = list(running)  # the running stream hits the 2 s request timeout
     assert "[DONE]" not in data and json.loads(data[-1])["error"]["code"] == "request_timeout"
-    alone = httpx.post(f"{timed_url}/v1/completions", json=LONG, timeout=60)
+    alone = httpx.post(f"{timed_url}/v1/completions", json=OVERTIME, timeout=60)
     assert alone.status_code == 504 and error_of(alone)["code"] == "request_timeout"
     wait_until_idle(timed_engine)  # every limit released the blocks it held
     assert httpx.post(f"{timed_url}/v1/completions", json=SHORT, timeout=60).status_code == 200
