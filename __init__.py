@@ -7,17 +7,23 @@ pagedserve.server and pagedserve.kernels. The offline API is here:
     outputs = LLM().generate(["The capital of France is"], SamplingParams(max_tokens=16))
 """
 
-from pagedserve.engine import (
-    LLM,
-    AsyncEngine,
-    CompletionOutput,
-    ContextLengthError,
-    EngineConfig,
-    EngineUnavailableError,
-    QueueFullError,
-    RequestOutput,
-    SamplingParams,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedserve.engine import (
+        LLM,
+        AsyncEngine,
+        CompletionOutput,
+        ContextLengthError,
+        EngineConfig,
+        EngineUnavailableError,
+        QueueFullError,
+        RequestOutput,
+        SamplingParams,
+    )
 
 __all__ = [
     "LLM",
@@ -30,3 +36,10 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The engine's names, loaded on first use (the engine's face loads each from its module)."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module("pagedserve.engine"), name)

@@ -21,7 +21,7 @@ import httpx
 from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.engine_args import add_engine_args, engine_config
-from pagedserve.server.logs import request_logger
+from pagedserve.server.request_log import request_logger
 from tests.background import BackgroundServer
 
 MODEL = "overload"

@@ -3,40 +3,27 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import logging
 import os
 import sys
-import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
-import uvicorn
-
-from pagedserve.engine.client.async_engine import AsyncEngine
-from pagedserve.engine.core.process import exit_without_teardown
-from pagedserve.engine.worker import EMBEDDED_NAME
+from pagedserve.engine.core.process import connect_core
 from pagedserve.server import offline
-from pagedserve.server.app import create_app
 from pagedserve.server.benchmark.command import add_bench_commands
-from pagedserve.server.context import ServerSettings
-from pagedserve.server.door import Door
 from pagedserve.server.engine_args import add_engine_args, engine_config
-from pagedserve.server.http_protocol import (
+from pagedserve.server.logs import LOG_FORMATS, configure_logging
+from pagedserve.server.offline import LOG_LEVELS
+from pagedserve.server.settings import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
-    guarded_protocol,
+    add_listen_args,
+    positive,
 )
-from pagedserve.server.logs import LOG_FORMATS, configure_logging, uvicorn_text_logging
-from pagedserve.server.offline import LOG_LEVELS
-from pagedserve.server.settings import add_listen_args, positive
-from pagedserve.server.shutdown import ABORT_GRACE_SECONDS, DrainingServer
-from pagedserve.server.tools import AUTO_TOOL_PARSERS
+from pagedserve.server.tool_parsers import AUTO_TOOL_PARSERS
 
-logger = logging.getLogger("pagedserve")
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
-TOKENIZER_IMPORTS = ("transformers.activations", "transformers.models.auto.tokenization_auto")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,67 +137,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 def serve_command(args: argparse.Namespace) -> NoReturn:
     config = engine_config(args, model=args.model_path)
-    names = args.served_model_name or [config.served_model_name or config.model or EMBEDDED_NAME]
-    settings = ServerSettings(
-        names,
-        api_key=args.api_key,
-        cors_allowed_origins=args.cors_allowed_origins,
-        max_request_bytes=args.max_request_bytes,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        web_page=not args.disable_web_page,
-    )
-    engine = AsyncEngine.from_config(config)
-    app = create_app(engine, settings)
-    uvicorn_config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        log_config=None if args.log_format == "json" else uvicorn_text_logging(),  # None: ours, via root
-        timeout_graceful_shutdown=ABORT_GRACE_SECONDS,  # the drain has already run when uvicorn waits
-        http=guarded_protocol(
-            args.header_timeout, args.max_connections, Door(app.state.serving), body_timeout=args.body_timeout
-        ),
-        root_path=args.root_path,
-    )
-    server = DrainingServer(uvicorn_config, app.state.serving, args.shutdown_timeout)
-    engine.on_death(lambda: _stop_serving(server))
-    engine.start()  # the core loads in its own process while uvicorn starts listening: /ready says 503 until then
-    threading.Thread(target=_warm_tokenizer_imports, name="pagedserve-warm-imports", daemon=True).start()
-    threading.Thread(target=_stop_if_load_fails, args=(engine, server), daemon=True).start()
-    try:
-        server.run()
-    finally:
-        engine.shutdown()
-    # Connections are closed and the core has ended: nothing is left that the interpreter's teardown would do
-    # but free torch's, transformers' and the tokenizer's objects one by one, seconds of CPU on a stop's clock.
-    exit_without_teardown(0 if engine.is_healthy else 1)
+    core = connect_core(config)
+    core.start(heartbeats=True)  # the core imports torch and loads the model while this process imports the server
+    from pagedserve.server.serve import run_server  # here, after the start: seconds of imports, overlapped
 
-
-def _warm_tokenizer_imports() -> None:
-    """Imports now, while the core loads, what loading the tokenizer will import once the core is ready:
-    transformers' configuration and activation modules pull in torch.distributed's tensor package, 2-4 s that
-    would otherwise come after the model has loaded, before /ready turns 200."""
-    for name in TOKENIZER_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # another transformers release: the tokenizer's load imports what it needs
-            logger.debug("could not import %s ahead of the tokenizer", name)
-
-
-def _stop_serving(server: DrainingServer) -> None:
-    """The engine core died: /health says 503 and requests in flight have failed; exit 1, to be restarted."""
-    logger.error("the engine core is gone; shutting down")
-    server.drain()
-
-
-def _stop_if_load_fails(engine: AsyncEngine, server: uvicorn.Server) -> None:
-    if not engine.wait_ready():
-        logger.error("the model failed to load (%s); stopping", engine.unavailable_reason())
-        server.should_exit = True
-    else:
-        logger.info("the model is loaded: ready to serve")
+    run_server(args, config, core)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ from pagedserve.engine import QueueFullError
 from pagedserve.server.admission import AdmissionTicket, put_ticket
 from pagedserve.server.context import ServingContext
 from pagedserve.server.errors import to_api_error
-from pagedserve.server.logs import RequestRecord
 from pagedserve.server.middleware import GENERATION_PATHS, REQUEST_ID_HEADER, api_key_matches, valid_request_id
+from pagedserve.server.request_log import RequestRecord
 
 _REQUEST_ID = REQUEST_ID_HEADER.lower().encode()
 Headers = list[tuple[bytes, bytes]]  # as the protocol parsed them: names in lower case

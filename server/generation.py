@@ -16,7 +16,7 @@ from pagedserve.engine.client.async_stream import EngineUnavailableError, Reques
 from pagedserve.server.admission import reserved_place
 from pagedserve.server.context import serving
 from pagedserve.server.errors import APIError, ClientDisconnected, server_error, to_api_error
-from pagedserve.server.logs import RequestRecord
+from pagedserve.server.request_log import RequestRecord
 
 T = TypeVar("T")
 Streams = list[RequestStream]

@@ -43,11 +43,9 @@ from pagedserve.server.admission import release_ticket
 from pagedserve.server.door import Door, Refusal
 from pagedserve.server.errors import RETRY_AFTER_SECONDS, APIError, server_error
 from pagedserve.server.middleware import REQUEST_ID_HEADER, answered_by_protocol
+from pagedserve.server.settings import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 
 logger = logging.getLogger(__name__)
-DEFAULT_HEADER_TIMEOUT = 10.0  # seconds
-DEFAULT_BODY_TIMEOUT = 10.0  # seconds
-DEFAULT_MAX_CONNECTIONS = 1024
 MAX_HEADER_BYTES = 64 * 1024  # a request's line and headers; more is answered 431 and the connection closed
 REFUSAL_LINGER_SECONDS = 2.0  # how long a refused connection may keep sending before it is cut off
 REFUSAL_LOG_INTERVAL = 10.0  # a flood of refusals logs one warning per interval, not one per connection

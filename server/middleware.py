@@ -20,7 +20,7 @@ from pagedserve.engine import QueueFullError
 from pagedserve.server.admission import AdmissionTicket, put_ticket, release_ticket, ticket_in
 from pagedserve.server.context import ServingContext
 from pagedserve.server.errors import CLIENT_CLOSED_REQUEST, APIError, internal_error, invalid_request, to_api_error
-from pagedserve.server.logs import RequestRecord
+from pagedserve.server.request_log import RequestRecord
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pagedserve.engine import LLM, SamplingParams
+from pagedserve import engine  # its names load when a command runs, not while the CLI parses
 from pagedserve.server.engine_args import add_engine_args, engine_config
 
 EXIT_WORDS = ("/exit", "/quit")
@@ -40,8 +40,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None
     add_engine_args(parser, exclude=frozenset({"seed"}))
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
+def _sampling_params(args: argparse.Namespace) -> engine.SamplingParams:
+    return engine.SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -55,7 +55,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def generate_command(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
-    with LLM.from_config(engine_config(args)) as llm:
+    with engine.LLM.from_config(engine_config(args)) as llm:
         prompt = args.prompt
         if args.chat_template:
             prompt = llm.encode_chat([{"role": "user", "content": prompt}])
@@ -65,11 +65,11 @@ def generate_command(args: argparse.Namespace) -> int:
 
 def chat_command(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
-    with LLM.from_config(engine_config(args)) as llm:
+    with engine.LLM.from_config(engine_config(args)) as llm:
         return _chat(llm, args.system, params)
 
 
-def _chat(llm: LLM, system: str | None, params: SamplingParams) -> int:
+def _chat(llm: engine.LLM, system: str | None, params: engine.SamplingParams) -> int:
     history = [{"role": "system", "content": system}] if system else []
     print(f"chatting with {Path(llm.info.model_dir).name}; {' or '.join(EXIT_WORDS)} ends", file=sys.stderr)
     while True:
@@ -85,7 +85,7 @@ def _chat(llm: LLM, system: str | None, params: SamplingParams) -> int:
             history.append({"role": "assistant", "content": reply})
 
 
-def stream_reply(llm: LLM, prompt: str | list[int], params: SamplingParams) -> str:
+def stream_reply(llm: engine.LLM, prompt: str | list[int], params: engine.SamplingParams) -> str:
     """Generates and prints as tokens come; Ctrl-C stops this reply only. Returns the text printed."""
     pieces: list[str] = []
     deltas = llm.stream(prompt, params)

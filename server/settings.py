@@ -26,6 +26,10 @@ HOST_ENV = "PAGEDSERVE_HOST"
 PORT_ENV = "PAGEDSERVE_PORT"
 SHUTDOWN_TIMEOUT_ENV = "PAGEDSERVE_SHUTDOWN_TIMEOUT"
 PROBE_TIMEOUT_SECONDS = 4.0  # under the HEALTHCHECK's own 5 s
+# The HTTP door's limits (server/http_protocol.py), here so that the command line is built without importing it.
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds
+DEFAULT_BODY_TIMEOUT = 10.0  # seconds
+DEFAULT_MAX_CONNECTIONS = 1024
 
 
 def positive(kind: Callable[[str], float]) -> Callable[[str], float]:

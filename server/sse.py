@@ -21,8 +21,8 @@ from starlette.background import BackgroundTask
 from pagedserve.engine import SequenceDelta
 from pagedserve.server.errors import APIError, as_api_error
 from pagedserve.server.generation import Streams, close_all, recorded
-from pagedserve.server.logs import RequestRecord
 from pagedserve.server.protocol import Usage
+from pagedserve.server.request_log import RequestRecord
 
 Event = dict[str, str]
 

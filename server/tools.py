@@ -41,7 +41,6 @@ MAX_TOOLS = 128
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_.\-]{1,64}$")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 ToolMode = Literal["none", "auto", "required", "named"]
-AUTO_TOOL_PARSERS = tuple(name for name in PARSERS if name != "json_array")  # formats models write by themselves
 CHAT_PARAMETERS = "tools.{index}.function.parameters"  # where a tool's parameters are, for errors that name them
 
 

@@ -18,7 +18,8 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.door import Door
-from pagedserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, guarded_protocol
+from pagedserve.server.http_protocol import guarded_protocol
+from pagedserve.server.settings import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 from tests.background import BackgroundServer
 
 

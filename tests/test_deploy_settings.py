@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.server import cli, settings
+from pagedserve.server import cli, serve, settings
 
 SETTINGS_FILE = Path(settings.__file__)
 ENVIRONMENT = {"PAGEDSERVE_HOST": "0.0.0.0", "PAGEDSERVE_PORT": "8000", "PAGEDSERVE_SHUTDOWN_TIMEOUT": "3"}
@@ -152,5 +152,5 @@ def test_the_modules_warmed_while_the_core_loads_exist() -> None:
     that (the start still works: the names are only a head start)."""
     import importlib.util
 
-    for name in cli.TOKENIZER_IMPORTS:
+    for name in serve.TOKENIZER_IMPORTS:
         assert importlib.util.find_spec(name) is not None, name

@@ -123,7 +123,7 @@ class SilentCore(CoreConnection):
         self.messages.put(ready)
         self.sent: list[Command] = []
 
-    def start(self, heartbeats: bool = False) -> None:
+    def _start(self, heartbeats: bool) -> None:
         pass
 
     def send(self, command: Command) -> None:

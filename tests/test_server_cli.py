@@ -79,7 +79,7 @@ def test_serve_options() -> None:
 def offline_engine(monkeypatch: pytest.MonkeyPatch, smol_loaded: LoadedModel) -> None:
     """The offline commands build their engine on the already-loaded model."""
     on_loaded = SimpleNamespace(from_config=lambda config: LLM.from_config(config, smol_loaded))
-    monkeypatch.setattr(offline, "LLM", on_loaded)
+    monkeypatch.setattr(offline.engine, "LLM", on_loaded)
 
 
 @pytest.mark.usefixtures("offline_engine")

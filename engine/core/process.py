@@ -46,12 +46,20 @@ class CoreConnection(ABC):
     """The caller's end of an engine core: commands go in, CoreMessages come out, in order."""
 
     last_heard = 0.0  # time.monotonic() of the core's latest message, heartbeats included
+    started = False
 
-    @abstractmethod
     def start(self, heartbeats: bool = False) -> None:
         """Starts the core; with `heartbeats`, once loaded it says Heartbeat every tenth of its heartbeat timeout,
         for a caller that reads all the time and watches its liveness (one that reads only while it waits for
-        results, like the offline LLM, would find them piled up)."""
+        results, like the offline LLM, would find them piled up). A second call does nothing: `pagedserve
+        serve` starts the core before it imports the server, and the AsyncEngine built later finds it running."""
+        if not self.started:
+            self.started = True
+            self._start(heartbeats)
+
+    @abstractmethod
+    def _start(self, heartbeats: bool) -> None:
+        """Starts the core's thread or process."""
 
     @abstractmethod
     def send(self, command: Command) -> None:
@@ -100,7 +108,7 @@ class ThreadCore(CoreConnection):
         self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
 
-    def start(self, heartbeats: bool = False) -> None:
+    def _start(self, heartbeats: bool) -> None:
         self._heartbeats = heartbeats
         self._thread.start()
 
@@ -152,7 +160,7 @@ class ProcessCore(CoreConnection):
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
-    def start(self, heartbeats: bool = False) -> None:
+    def _start(self, heartbeats: bool) -> None:
         ours, theirs = socket.socketpair()
         with theirs:
             self._process = subprocess.Popen(

@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from pagedserve.server.errors import APIError
 from pagedserve.server.generation import Generation, Streams, recorded
-from pagedserve.server.logs import RequestRecord
+from pagedserve.server.request_log import RequestRecord
 from pagedserve.server.response_format import naming_constraint_errors
 from pagedserve.server.responses.output import ErrorEvent, LifecycleEvent, ResponseObject
 from pagedserve.server.responses.protocol import ResponsesRequest

@@ -26,6 +26,7 @@ __all__ = ["PARSERS", "HermesParser", "JsonArrayParser", "Llama3JsonParser", "Mi
 PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, JsonArrayParser)
 }
+AUTO_TOOL_PARSERS = tuple(name for name in PARSERS if name != "json_array")  # formats models write by themselves
 
 
 def parser_for_template(chat_template: str | None) -> str:
