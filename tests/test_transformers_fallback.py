@@ -238,3 +238,21 @@ def test_model_impl_flag() -> None:
         parser.parse_args(["--model-impl", "hf"])
     with pytest.raises(ValueError, match="model_impl must be one of"):
         EngineConfig(model_impl="hf")
+
+
+def test_a_gguf_file_through_the_fallback(smol_dir: Path) -> None:
+    """The embedded GGUF's weights, dequantized once, in transformers' modules: transformers' tokens."""
+    prompt_list = [list(range(100, 108)), list(range(300, 330))]
+    config = EngineConfig(model=str(smol_dir), model_impl="transformers", num_kv_blocks=16, engine_process=False)
+    loaded = load_model(config)
+    assert isinstance(loaded.model, TransformersForCausalLM)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for ids in prompt_list:
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            expected.append(out[0, len(ids) :].tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM.from_config(config, loaded) as llm:
+        got = [out.outputs[0].token_ids for out in llm.generate(prompt_list, params, use_tqdm=False)]
+    assert got == expected

@@ -38,6 +38,8 @@ class TransformersForCausalLM(nn.Module):
 
     def __init__(self, hf_model: PreTrainedModel, backend: KernelBackend, eos_token_ids: tuple[int, ...]) -> None:
         super().__init__()
+        if hf_model.base_model is hf_model:
+            raise ValueError(f"{type(hf_model).__name__} has no decoder apart from its LM head (base_model_prefix)")
         self.hf_model = hf_model
         self.backend = backend
         self.group: TensorParallelGroup | None = None  # the fallback runs whole on one rank
