@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +20,7 @@ import transformers
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.llm_engine import LLMEngine
+from pagedserve.engine.sampling_params import StructuredOutput
 from pagedserve.engine.worker.model_loader import LoadedModel, load_model
 from pagedserve.engine.worker.models.transformers_fallback import TransformersForCausalLM
 from pagedserve.server import ServerSettings
@@ -256,3 +258,16 @@ def test_a_gguf_file_through_the_fallback(smol_dir: Path) -> None:
     with LLM.from_config(config, loaded) as llm:
         got = [out.outputs[0].token_ids for out in llm.generate(prompt_list, params, use_tqdm=False)]
     assert got == expected
+
+
+def test_structured_output_through_the_fallback(model_dir: Callable[[str], Path]) -> None:
+    config, loaded = load(model_dir("olmo"))
+    constraints = {
+        "choice": StructuredOutput.choice(["alpha beta", "gamma"]),
+        "regex": StructuredOutput.regex("[a-z]{3}-[0-9]{2}"),
+    }
+    params = [SamplingParams(temperature=0.0, max_tokens=32, structured_output=c) for c in constraints.values()]
+    with LLM.from_config(config, loaded) as llm:
+        choice, regex = [out.outputs[0].text for out in llm.generate([prompts()[0]] * 2, params, use_tqdm=False)]
+    assert choice in ("alpha beta", "gamma")
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", regex)
