@@ -58,6 +58,10 @@ FALLBACK_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "falcon": lambda: transformers.FalconConfig(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=49152, new_decoder_architecture=True
     ),
+    "mistral-window": lambda: transformers.MistralConfig(
+        **SMALL, num_key_value_heads=2, sliding_window=48, initializer_range=0.2
+    ),
+    "gemma2-softcap": lambda: transformers.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=16),
     "llama": lambda: transformers.LlamaConfig(
         **SMALL, num_key_value_heads=2, tie_word_embeddings=True, initializer_range=0.2
     ),
@@ -271,3 +275,19 @@ def test_structured_output_through_the_fallback(model_dir: Callable[[str], Path]
         choice, regex = [out.outputs[0].text for out in llm.generate([prompts()[0]] * 2, params, use_tqdm=False)]
     assert choice in ("alpha beta", "gamma")
     assert re.fullmatch("[a-z]{3}-[0-9]{2}", regex)
+
+
+def test_a_sliding_window_caps_requests_at_the_window(model_dir: Callable[[str], Path]) -> None:
+    """Paged attention attends whole contexts: up to the window that is what the windowed layers compute."""
+    folder = model_dir("mistral-window")
+    config, loaded = load(folder, model_impl="transformers")
+    assert loaded.spec.sliding_window == 48
+    engine = LLMEngine(config, loaded=loaded)
+    assert engine.executor.kv_plan.max_model_len == 48
+    short = [p[:30] for p in prompts()]  # 30 + 16 tokens: inside the window
+    assert run_engine(engine, short) == transformers_greedy(folder, short)
+
+
+def test_attention_soft_capping_is_refused(model_dir: Callable[[str], Path]) -> None:
+    with pytest.raises(ValueError, match="uses softcap in attention"):
+        load(model_dir("gemma2-softcap"), model_impl="transformers")
