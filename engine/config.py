@@ -13,6 +13,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 SPECULATIVE_METHODS = ("ngram",)
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 ACTIVATION_DTYPES = ("auto", "float32", "int8", "int16")
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 @dataclass
@@ -33,6 +34,9 @@ class EngineConfig:
     # ~2% of greedy tokens), int16 (auto) = 16-bit (nearly as fast, ~float32's tokens); float32 = the dequantized
     # model's float products, transformers' tokens
     activation_dtype: str = "auto"
+    # auto: our own model where the architecture has one (Llama, Mistral, Qwen2, Qwen3), transformers' modules
+    # with paged attention for any other decoder; native: ours or an error; transformers: always the fallback
+    model_impl: str = "auto"
 
     # KV cache
     block_size: int = 16
@@ -90,6 +94,7 @@ class EngineConfig:
             (self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'"),
             (self.quantization in QUANTIZATIONS, "quantization", f"one of {QUANTIZATIONS}"),
             (self.activation_dtype in ACTIVATION_DTYPES, "activation_dtype", f"one of {ACTIVATION_DTYPES}"),
+            (self.model_impl in MODEL_IMPLS, "model_impl", f"one of {MODEL_IMPLS}"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "> 0"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1"),

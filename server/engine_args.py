@@ -13,7 +13,14 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any
 
-from pagedserve.engine.config import ACTIVATION_DTYPES, DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig
+from pagedserve.engine.config import (
+    ACTIVATION_DTYPES,
+    DTYPES,
+    MODEL_IMPLS,
+    QUANTIZATIONS,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+)
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
@@ -21,6 +28,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "load_format": ("auto", "dummy"),
     "quantization": QUANTIZATIONS,
     "activation_dtype": ACTIVATION_DTYPES,
+    "model_impl": MODEL_IMPLS,
     "speculative_method": SPECULATIVE_METHODS,
 }
 _FIELD_COMMENT = re.compile(r"^\s+(\w+):[^#\n]*#\s*(.+)$", re.MULTILINE)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.engine.worker.batch import StepInputs
-from pagedserve.engine.worker.models import LlamaForCausalLM
+from pagedserve.engine.worker.models.causal_lm import CausalLM
 from pagedserve.kernels import AttentionMetadata, KernelBackend
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         backend: KernelBackend,
         block_size: int,
         max_seq_len: int,
@@ -141,7 +141,7 @@ class DecodeGraphs:
             "captured decode graphs for batch sizes %s in %.1f s", self.batch_sizes, time.perf_counter() - start
         )
 
-    def _forward(self, model: LlamaForCausalLM, batch: int, metadata: AttentionMetadata) -> Forward:
+    def _forward(self, model: CausalLM, batch: int, metadata: AttentionMetadata) -> Forward:
         buffers = self.buffers
         return lambda: model(buffers.input_ids[:batch], buffers.positions[:batch], metadata)
 

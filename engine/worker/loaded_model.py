@@ -10,7 +10,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
-from pagedserve.engine.worker.models import LlamaForCausalLM, ModelSpec
+from pagedserve.engine.worker.models import ModelSpec
+from pagedserve.engine.worker.models.causal_lm import CausalLM
 from pagedserve.kernels import KernelBackend
 
 
@@ -19,7 +20,7 @@ class LoadedModel:
     model_dir: Path
     hf_config: Any
     spec: ModelSpec
-    model: LlamaForCausalLM
+    model: CausalLM  # LlamaForCausalLM, or TransformersForCausalLM (model_impl)
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     backend: KernelBackend

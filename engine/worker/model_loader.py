@@ -21,6 +21,7 @@ from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.models import LlamaForCausalLM, ModelSpec
 from pagedserve.engine.worker.models.layers import Linear
 from pagedserve.engine.worker.models.llama import rotary_embedding
+from pagedserve.engine.worker.transformers_loader import choose_model_impl, load_transformers_model
 from pagedserve.engine.worker.weights.checkpoint import iter_safetensors, resolve_model_dir
 from pagedserve.engine.worker.weights.gguf import GGUFTensors, load_gguf_weights
 from pagedserve.engine.worker.weights.gguf_files import gguf_source, load_index
@@ -171,6 +172,10 @@ def load_model(
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_model_dir(config.model, config.revision)
     hf_config = AutoConfig.from_pretrained(model_dir)
+    if choose_model_impl(config.model_impl, hf_config) == "transformers":
+        if group is not None:
+            raise ValueError("the transformers fallback runs on one rank: tensor_parallel_size must be 1")
+        return load_transformers_model(config, model_dir, hf_config, device, dtype)
     spec = ModelSpec.from_hf_config(hf_config)
     if group is not None:
         spec.check_tensor_parallel(group.size)

@@ -22,7 +22,8 @@ from pagedserve.engine.worker.batch import (
 )
 from pagedserve.engine.worker.cuda_graphs import Capture, DecodeGraphs
 from pagedserve.engine.worker.distributed.commands import Command, send_command
-from pagedserve.engine.worker.models import KVCache, LlamaForCausalLM
+from pagedserve.engine.worker.models import KVCache
+from pagedserve.engine.worker.models.causal_lm import CausalLM
 from pagedserve.engine.worker.native_decoder import bind_kv_caches
 from pagedserve.engine.worker.prompt_logprobs import PromptRows, lm_head_chunks, rows_to_score, score
 from pagedserve.kernels import AttentionMetadata, KernelBackend
@@ -33,7 +34,7 @@ class ShardRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         backend: KernelBackend,
         kv_caches: list[KVCache],
         block_size: int,
@@ -112,7 +113,7 @@ class ModelRunner(ShardRunner):
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         backend: KernelBackend,
         kv_manager: BlockTables,
         kv_caches: list[KVCache],

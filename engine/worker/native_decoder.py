@@ -30,6 +30,7 @@ from pagedserve.kernels.quantized import FORMATS, INT8_MAX_TOKENS, QuantizedWeig
 from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 
 if TYPE_CHECKING:
+    from pagedserve.engine.worker.models.causal_lm import CausalLM
     from pagedserve.engine.worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 
 # The step's activations live in one scratch allocation of ~(3 hidden + qkv + 2 q + 3 intermediate) floats a
@@ -187,11 +188,15 @@ def use_activation_dtype(backend: KernelBackend, setting: str) -> str:
     return chosen
 
 
-def bind_kv_caches(model: LlamaForCausalLM, caches: list[KVCache]) -> None:
+def bind_kv_caches(model: CausalLM, caches: list[KVCache]) -> None:
     """Binds the model's layers to their caches, and chooses how its layers run: one native call where it
-    applies, the model's modules elsewhere. The backend is chosen here, not in the model."""
+    applies, the model's modules elsewhere. The backend is chosen here, not in the model. (Only our own Llama
+    layers have a native forward: the transformers fallback runs its modules.)"""
+    from pagedserve.engine.worker.models.llama import LlamaForCausalLM
+
     model.bind_kv_caches(caches)
-    model.native_decoder = native_decoder(model, caches)
+    if isinstance(model, LlamaForCausalLM):
+        model.native_decoder = native_decoder(model, caches)
 
 
 def native_decoder(model: LlamaForCausalLM, caches: Sequence[KVCache]) -> CpuDecoder | None:

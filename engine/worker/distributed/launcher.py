@@ -28,6 +28,7 @@ from pagedserve.engine.worker.distributed.rendezvous import (
     rank_device,
 )
 from pagedserve.engine.worker.models import ModelSpec
+from pagedserve.engine.worker.transformers_loader import check_fallback_splits
 from pagedserve.engine.worker.weights.checkpoint import resolve_model_dir
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,9 @@ class TensorParallelWorkers:
         """Checks the model splits over `config.tensor_parallel_size` ranks, starts them and joins them."""
         size = config.tensor_parallel_size
         model_dir = resolve_model_dir(config.model, config.revision)  # a GGUF is converted once, here
-        ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir)).check_tensor_parallel(size)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        check_fallback_splits(config, hf_config)
+        ModelSpec.from_hf_config(hf_config).check_tensor_parallel(size)
         outside = Rendezvous.from_env() if launched_from_outside() else None
         if outside is not None and outside.world_size != size:
             raise ValueError(f"WORLD_SIZE {outside.world_size} != tensor_parallel_size {size}")
