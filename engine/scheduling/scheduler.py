@@ -124,6 +124,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self.kv.outgrew_short_rope(request):  # LongRoPE: recomputed with the long factors
+                self._requeue(self.running.pop(index))
+                continue
             drafts = self._fit_drafts(request, (proposals or {}).get(request.request_id, []), budget)
             if drafts:
                 num_new = cost = 1 + len(drafts)
@@ -159,11 +162,15 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        self._requeue(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _requeue(self, request: Request) -> None:
+        """Frees the request's blocks and puts it first in line, to be computed again."""
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:

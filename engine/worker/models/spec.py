@@ -11,6 +11,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # Phi-3, Phi-4-mini (models/phi3.py)
 }
 
 
@@ -70,6 +71,14 @@ class ModelSpec:
             sliding_window=window,
             eos_token_ids=eos_ids,
         )
+
+    @property
+    def long_prompt_threshold(self) -> int | None:
+        """LongRoPE's original_max_position_embeddings: a longer prompt is rotated with the long factors
+        throughout (models/partial_rope.py); None for other RoPE."""
+        if self.rope_parameters.get("rope_type") != "longrope":
+            return None
+        return int(self.rope_parameters["original_max_position_embeddings"])
 
     # ---- tensor parallelism (Megatron-style: heads and the MLP width split across ranks) --------------
 
