@@ -23,6 +23,8 @@ from pagedserve.engine.worker.model_loader import load_model
 from pagedserve.engine.worker.models.partial_rope import PartialRotaryEmbedding
 from pagedserve.server.context import ServerSettings
 from tests.servers import served_engine
+from tests.test_cpu_decoder import both_ways
+from tests.test_tensor_parallel import TIGHT, assert_same, engine_for, run_alone, workload
 
 SWITCH = 48  # original_max_position_embeddings
 MAX_TOKENS = 12
@@ -152,3 +154,20 @@ def test_offline_api_and_server_equal_transformers(phi_dir) -> None:
         for ids, tokens in zip(token_lists, expected):
             reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
             assert reply.choices[0].text == loaded.tokenizer.decode(tokens)
+
+
+def test_native_cpu_decoder_runs_phi4_mini_as_the_modules_do(phi_dir) -> None:
+    """The native decoder reads the permuted heads and the tables as Llama's: it applies, and agrees."""
+    folder = phi_dir("phi4-mini")
+    config = EngineConfig(model=str(folder), quantization="q8_0", num_kv_blocks=64, activation_dtype="float32")
+    engine = LLMEngine(config, loaded=load_model(config))
+    with_native, with_modules = both_ways(engine, prompts()[:3])
+    assert {i: tokens for i, (tokens, _) in with_native.items()} == {i: t for i, (t, _) in with_modules.items()}
+
+
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_split_over_ranks_equals_one_rank(phi_dir, size: int) -> None:
+    """The fused tensors cut per rank: each rank keeps its heads' rows of q, k and v and its share of gate/up."""
+    folder = phi_dir("phi4-mini")
+    expected = run_alone(engine_for(folder, 1, **TIGHT), workload)
+    assert_same(expected, run_alone(engine_for(folder, size, **TIGHT), workload))
