@@ -69,3 +69,14 @@ def _rank_rows(name: str, rows: torch.Tensor, spec: ModelSpec, split: tuple[int,
     part = rank_slice(name, spec, *split)
     assert part is not None and part[0] == 0, f"{name} is split by output rows"
     return rows[part[1] : part[2]]
+
+
+def fused_row_order(module: str, spec: ModelSpec, split: tuple[int, int] | None) -> torch.Tensor:
+    """The stored row of each row of our fused `module` ("self_attn.qkv_proj", "mlp.gate_up_proj") that this
+    rank holds: its rows of each part, the query and key rows in our head order (a GGUF file's attn_qkv and
+    ffn_up are read through it, blocks as stored)."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    total = q + 2 * kv if module == "self_attn.qkv_proj" else 2 * spec.intermediate_size
+    rows = torch.arange(total).unsqueeze(1)  # row ids cut as the rows themselves are
+    parts = unfused_weights([(f"model.layers.0.{module}.weight", rows)], spec, split)
+    return torch.cat([part for _, part in parts]).squeeze(1)

@@ -1,0 +1,83 @@
+"""A Phi-3 GGUF file served from the file: attn_qkv and ffn_up (gate and up) fused as stored, kept as blocks,
+greedy tokens equal to transformers' own GGUF loading; split over ranks, equal to one rank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+import transformers
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.worker.model_loader import load_model
+from pagedserve.kernels.quantized import QuantizedWeight
+from tests.test_gguf_families import COMMON, gguf_tensors
+from tests.test_kquants import add_tokenizer
+from tests.test_tensor_parallel import assert_same, engine_for, run_alone, workload
+
+PROMPTS = [list(range(100, 108)), list(range(300, 340))]
+
+
+def phi3_config() -> transformers.Phi3Config:
+    return transformers.Phi3Config(**COMMON, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def write_phi3_gguf(path: Path, smol_dir: Path) -> None:
+    config = phi3_config()
+    writer = gguf.GGUFWriter(path, "phi3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    add_tokenizer(writer, smol_dir)
+    for name, data, qtype in gguf_tensors(config):
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def phi3_file(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Iterator[Path]:
+    folder = tmp_path_factory.mktemp("phi3-gguf")
+    path = folder / "tiny-phi3-q8_0.gguf"
+    write_phi3_gguf(path, smol_dir)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGEDSERVE_CACHE_DIR", str(folder / "cache"))
+        yield path
+
+
+def test_greedy_tokens_equal_transformers_reading_the_same_file(phi3_file: Path) -> None:
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        phi3_file.parent, gguf_file=phi3_file.name, dtype=torch.float32
+    )
+    expected = []
+    for prompt in PROMPTS:
+        output = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+        expected.append(output[0, len(prompt) :].tolist())
+    assert all(len(set(tokens)) > 3 for tokens in expected), "a model that repeats one token would test little"
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    config = EngineConfig(model=str(phi3_file), num_kv_blocks=32, engine_process=False, activation_dtype="float32")
+    loaded = load_model(config)
+    attention, mlp = loaded.model.layers[0].self_attn, loaded.model.layers[0].mlp
+    assert isinstance(attention.qkv_proj.quantized, QuantizedWeight)  # blocks, as stored
+    assert isinstance(mlp.gate_up_proj.quantized, QuantizedWeight)
+    with LLM.from_config(config, loaded) as llm:
+        got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == expected
+
+
+def test_split_over_two_ranks_equals_one(phi3_file: Path) -> None:
+    expected = run_alone(engine_for(phi3_file, 1, num_kv_blocks=24, max_num_batched_tokens=32), workload)
+    actual = run_alone(engine_for(phi3_file, 2, num_kv_blocks=24, max_num_batched_tokens=32), workload)
+    assert_same(expected, actual)
