@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -15,7 +16,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.model_loader import load_model
 from pagedserve.kernels.quantized import QuantizedWeight
-from tests.test_gguf_families import COMMON, gguf_tensors
+from tests.test_gguf_families import COMMON, GGUF_NAMES, gguf_tensors
 from tests.test_kquants import add_tokenizer
 from tests.test_tensor_parallel import assert_same, engine_for, run_alone, workload
 
@@ -28,6 +29,13 @@ def phi3_config() -> transformers.Phi3Config:
 
 def write_phi3_gguf(path: Path, smol_dir: Path) -> None:
     config = phi3_config()
+    writer = _writer(path, config, smol_dir)
+    for name, data, qtype in gguf_tensors(config):
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    _finish(writer)
+
+
+def _writer(path: Path, config: transformers.Phi3Config, smol_dir: Path) -> gguf.GGUFWriter:
     writer = gguf.GGUFWriter(path, "phi3")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -39,8 +47,10 @@ def write_phi3_gguf(path: Path, smol_dir: Path) -> None:
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
     add_tokenizer(writer, smol_dir)
-    for name, data, qtype in gguf_tensors(config):
-        writer.add_tensor(name, data, raw_dtype=qtype)
+    return writer
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -81,3 +91,75 @@ def test_split_over_two_ranks_equals_one(phi3_file: Path) -> None:
     expected = run_alone(engine_for(phi3_file, 1, num_kv_blocks=24, max_num_batched_tokens=32), workload)
     actual = run_alone(engine_for(phi3_file, 2, num_kv_blocks=24, max_num_batched_tokens=32), workload)
     assert_same(expected, actual)
+
+
+SWITCH = 32  # original_max_position_embeddings of the Phi-4-mini-shaped file
+
+
+def phi4_mini_config() -> transformers.Phi3Config:
+    pairs = 48  # 96 of 128 head dimensions rotated
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.02 * i for i in range(pairs)],
+        "long_factor": [1.5 + 0.5 * i for i in range(pairs)],
+        "original_max_position_embeddings": SWITCH,
+    }
+    return transformers.Phi3Config(
+        **COMMON,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        partial_rotary_factor=0.75,
+        rope_scaling=rope,
+        original_max_position_embeddings=SWITCH,
+    )
+
+
+def write_float_gguf(path: Path, model: transformers.PreTrainedModel, smol_dir: Path) -> None:
+    """The model's tensors in F32 by their GGUF names, its RoPE as llama.cpp's converter writes it."""
+    config = model.config
+    writer = _writer(path, config, smol_dir)
+    head_dim = config.hidden_size // config.num_attention_heads
+    writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
+    writer.add_rope_scaling_orig_ctx_len(SWITCH)
+    for kind in ("short", "long"):
+        factors = np.array(config.rope_parameters[f"{kind}_factor"], dtype=np.float32)
+        writer.add_tensor(f"rope_factors_{kind}.weight", factors)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        writer.add_tensor(_gguf_name(name), tensor.float().numpy())
+    _finish(writer)
+
+
+def _gguf_name(name: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    parts = name.split(".")  # model.layers.N.<module>.weight
+    return f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+
+
+def test_phi4_mini_file_rotates_as_the_model_it_was_written_from(tmp_path: Path, smol_dir: Path) -> None:
+    """Partial rotary dimensions and LongRoPE factors come from the file (transformers' GGUF config drops them):
+    a short prompt, one that grows past the switch while decoding, a long one."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(phi4_mini_config()).eval()
+    path = tmp_path / "tiny-phi4-mini-f32.gguf"
+    write_float_gguf(path, model, smol_dir)
+    prompts = [list(range(100, 108)), list(range(300, 324)), list(range(500, 540))]
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            output = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+            expected.append(output[0, len(prompt) :].tolist())
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+        config = EngineConfig(model=str(path), num_kv_blocks=32, engine_process=False, activation_dtype="float32")
+        loaded = load_model(config)
+        assert loaded.spec.long_prompt_threshold == SWITCH
+        with LLM.from_config(config, loaded) as llm:
+            got = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
