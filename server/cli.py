@@ -30,6 +30,7 @@ from pagedserve.server.http_protocol import (
 )
 from pagedserve.server.logs import LOG_FORMATS, configure_logging, uvicorn_text_logging
 from pagedserve.server.offline import LOG_LEVELS
+from pagedserve.server.reasoning import THINK_PARSERS
 from pagedserve.server.settings import add_listen_args, positive
 from pagedserve.server.shutdown import ABORT_GRACE_SECONDS, DrainingServer
 from pagedserve.server.tools import AUTO_TOOL_PARSERS
@@ -139,10 +140,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     chat.add_argument(
         "--reasoning-parser",
-        choices=("auto", "think", "none"),
+        choices=("auto", *THINK_PARSERS, "none"),
         default="auto",
-        help="think: a reply's leading <think>...</think> becomes reasoning_content; auto: when the chat template "
-        "mentions <think> (default)",
+        help="think (qwen3, deepseek_r1: the same): a reply's leading <think>...</think> becomes reasoning_content; "
+        "auto: when the chat template mentions <think> (default)",
     )
     add_engine_args(serve, exclude=frozenset({"served_model_name"}))
     serve.set_defaults(run=serve_command)
