@@ -19,7 +19,12 @@ import transformers
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.llm_engine import LLMEngine
+from pagedserve.engine.scheduling.kv_cache_manager import KVCacheManager
+from pagedserve.engine.scheduling.request import Request
+from pagedserve.engine.scheduling.scheduler import Scheduler
+from pagedserve.engine.worker.kv_sizing import model_len_limit
 from pagedserve.engine.worker.model_loader import load_model
+from pagedserve.engine.worker.models import ModelSpec
 from pagedserve.engine.worker.models.partial_rope import PartialRotaryEmbedding
 from pagedserve.server.context import ServerSettings
 from tests.servers import served_engine
@@ -171,3 +176,25 @@ def test_split_over_ranks_equals_one_rank(phi_dir, size: int) -> None:
     folder = phi_dir("phi4-mini")
     expected = run_alone(engine_for(folder, 1, **TIGHT), workload)
     assert_same(expected, run_alone(engine_for(folder, size, **TIGHT), workload))
+
+
+def test_a_sequence_crossing_the_threshold_is_recomputed_long_and_proposals_stop_short_of_it() -> None:
+    kv = KVCacheManager(16, 16, long_prompt_threshold=SWITCH)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, max_queue_len=8)
+    request = Request("r", list(range(SWITCH - 1)), SamplingParams(max_tokens=8), max_tokens=8)
+    scheduler.add_request(request)
+    scheduler.update(scheduler.schedule(), {"r": 5})  # SWITCH tokens, the last not computed
+    step = scheduler.schedule({"r": [6]})
+    assert [s.draft_token_ids for s in step.scheduled] == [[]]  # verified, it would hold SWITCH + 1 tokens
+    assert not request.long_rope
+    scheduler.update(step, {"r": 6})  # SWITCH + 1 tokens: past the threshold
+    step = scheduler.schedule()
+    assert request.long_rope and [(s.request, s.num_new_tokens) for s in step.scheduled] == [(request, SWITCH + 1)]
+
+
+def test_a_sliding_window_caps_the_context_as_for_mistral() -> None:
+    """Phi-3-mini-4k's sliding_window (2047 of 4096): we attend to the whole context, so serve up to the window."""
+    config = _config(sliding_window=100)
+    assert ModelSpec.from_hf_config(config).sliding_window == 100
+    assert model_len_limit(ModelSpec.from_hf_config(config)) == 100
+    assert model_len_limit(ModelSpec.from_hf_config(_config())) == 512

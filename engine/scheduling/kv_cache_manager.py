@@ -186,12 +186,16 @@ class KVCacheManager:
             request.long_rope = True
         return request.long_rope
 
+    def crosses_short_rope(self, request: Request, num_tokens: int) -> bool:
+        """Whether a request rotated with LongRoPE's short factors would hold more than its threshold."""
+        threshold = self.long_prompt_threshold
+        return threshold is not None and num_tokens > threshold and not self.rotates_long(request)
+
     def outgrew_short_rope(self, request: Request) -> bool:
         """Whether the request just grew past the LongRoPE threshold with KV rotated short: transformers then
         rotates the whole sequence with the long factors, so it is recomputed (its block hashes, made with the
         short factors' key, are dropped and made again)."""
-        threshold = self.long_prompt_threshold
-        if threshold is None or request.num_tokens <= threshold or self.rotates_long(request):
+        if not self.crosses_short_rope(request, request.num_tokens):
             return False
         request.long_rope = True
         request.block_hashes.clear()

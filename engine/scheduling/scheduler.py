@@ -150,6 +150,8 @@ class Scheduler:
         allocated, or none (no budget or no free block for them)."""
         if not drafts or request.num_computed_tokens != request.num_tokens - 1 or 1 + len(drafts) > budget:
             return []
+        if self.kv.crosses_short_rope(request, request.num_tokens + len(drafts)):
+            return []  # verified past LongRoPE's threshold, they would be rotated short
         return drafts if self.kv.allocate_slots(request, 1 + len(drafts)) else []
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[Request]) -> bool:

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.engine.worker.models.partial_rope import long_rope_switch
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -76,9 +78,7 @@ class ModelSpec:
     def long_prompt_threshold(self) -> int | None:
         """LongRoPE's original_max_position_embeddings: a longer prompt is rotated with the long factors
         throughout (models/partial_rope.py); None for other RoPE."""
-        if self.rope_parameters.get("rope_type") != "longrope":
-            return None
-        return int(self.rope_parameters["original_max_position_embeddings"])
+        return long_rope_switch(self.rope_parameters)
 
     # ---- tensor parallelism (Megatron-style: heads and the MLP width split across ranks) --------------
 
