@@ -45,10 +45,10 @@ def _longrope(pairs: int) -> dict[str, object]:
     }
 
 
-def _config(**extra: object) -> transformers.Phi3Config:
+def _config(hidden_size: int = 64, **extra: object) -> transformers.Phi3Config:
     return transformers.Phi3Config(
         vocab_size=49152,  # the SmolLM2 tokenizer's
-        hidden_size=64,
+        hidden_size=hidden_size,
         intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -68,6 +68,10 @@ CONFIGS: dict[str, Callable[[], transformers.Phi3Config]] = {
     "phi3-longrope": lambda: _config(rope_scaling=_longrope(8)),
     # Phi-4-mini's shape: 12 of 16 head dimensions rotated, tied embeddings
     "phi4-mini": lambda: _config(rope_scaling=_longrope(6), partial_rotary_factor=0.75, tie_word_embeddings=True),
+    # head_dim 64, the smallest the Triton backend takes
+    "phi4-mini-hd64": lambda: _config(
+        hidden_size=256, rope_scaling=_longrope(24), partial_rotary_factor=0.75, tie_word_embeddings=True
+    ),
 }
 
 
@@ -118,7 +122,7 @@ def run_engine(engine: LLMEngine, token_lists: list[list[int]]) -> list[list[int
     return [tokens[str(i)] for i in range(len(token_lists))]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", ["phi3", "phi3-longrope", "phi4-mini"])
 def test_engine_greedy_equals_transformers_chunked_preempted_and_cached(phi_dir, name: str) -> None:
     folder = phi_dir(name)
     loaded = load_model(EngineConfig(model=str(folder)))
@@ -198,3 +202,14 @@ def test_a_sliding_window_caps_the_context_as_for_mistral() -> None:
     assert ModelSpec.from_hf_config(config).sliding_window == 100
     assert model_len_limit(ModelSpec.from_hf_config(config)) == 100
     assert model_len_limit(ModelSpec.from_hf_config(_config())) == 512
+
+
+def test_triton_backend_equals_transformers(phi_dir) -> None:
+    """Interpreted on the CPU here (tests/conftest.py), compiled on CUDA: the permuted heads and both tables."""
+    pytest.importorskip("triton")
+    folder = phi_dir("phi4-mini-hd64")
+    token_lists = prompts()[:3]
+    config = dict(attention_backend="triton", num_kv_blocks=16, max_num_batched_tokens=32, engine_process=False)
+    with LLM(model=str(folder), **config) as llm:
+        outputs = llm.generate(token_lists, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == reference(folder, token_lists)
