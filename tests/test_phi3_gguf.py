@@ -15,7 +15,7 @@ import transformers
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.model_loader import load_model
-from pagedserve.kernels.quantized import QuantizedWeight
+from pagedserve.kernels.quantized import QuantizedWeight, dequantize, quantize
 from tests.test_gguf_families import COMMON, GGUF_NAMES, gguf_tensors
 from tests.test_kquants import add_tokenizer
 from tests.test_tensor_parallel import assert_same, engine_for, run_alone, workload
@@ -115,8 +115,9 @@ def phi4_mini_config() -> transformers.Phi3Config:
     )
 
 
-def write_float_gguf(path: Path, model: transformers.PreTrainedModel, smol_dir: Path) -> None:
-    """The model's tensors in F32 by their GGUF names, its RoPE as llama.cpp's converter writes it."""
+def write_phi4_mini_gguf(path: Path, model: transformers.PreTrainedModel, smol_dir: Path, blocks: bool) -> None:
+    """The model's tensors by their GGUF names (matrices in Q8_0 with `blocks`, else F32), its RoPE as llama.cpp's
+    converter writes it."""
     config = model.config
     writer = _writer(path, config, smol_dir)
     head_dim = config.hidden_size // config.num_attention_heads
@@ -128,8 +129,20 @@ def write_float_gguf(path: Path, model: transformers.PreTrainedModel, smol_dir: 
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied
-        writer.add_tensor(_gguf_name(name), tensor.float().numpy())
+        if blocks and tensor.dim() == 2:
+            data = quantize(tensor.float(), "q8_0").blocks.numpy()
+            writer.add_tensor(_gguf_name(name), data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(_gguf_name(name), tensor.float().numpy())
     _finish(writer)
+
+
+def _rounded_to_q8_0(model: transformers.PreTrainedModel) -> None:
+    """Every matrix set to its Q8_0 blocks dequantized: the float model a Q8_0 file holds."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.copy_(dequantize(quantize(parameter.float(), "q8_0")))
 
 
 def _gguf_name(name: str) -> str:
@@ -141,13 +154,17 @@ def _gguf_name(name: str) -> str:
     return f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
-def test_phi4_mini_file_rotates_as_the_model_it_was_written_from(tmp_path: Path, smol_dir: Path) -> None:
+@pytest.mark.parametrize("blocks", [False, True])
+def test_phi4_mini_file_rotates_as_the_model_it_was_written_from(tmp_path: Path, smol_dir: Path, blocks: bool) -> None:
     """Partial rotary dimensions and LongRoPE factors come from the file (transformers' GGUF config drops them):
-    a short prompt, one that grows past the switch while decoding, a long one."""
+    a short prompt, one that grows past the switch while decoding, a long one; the query and key rows of
+    attn_qkv reordered as floats and as blocks."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(phi4_mini_config()).eval()
-    path = tmp_path / "tiny-phi4-mini-f32.gguf"
-    write_float_gguf(path, model, smol_dir)
+    if blocks:
+        _rounded_to_q8_0(model)
+    path = tmp_path / "tiny-phi4-mini.gguf"
+    write_phi4_mini_gguf(path, model, smol_dir, blocks)
     prompts = [list(range(100, 108)), list(range(300, 324)), list(range(500, 540))]
     expected = []
     with torch.no_grad():
@@ -160,6 +177,8 @@ def test_phi4_mini_file_rotates_as_the_model_it_was_written_from(tmp_path: Path,
         config = EngineConfig(model=str(path), num_kv_blocks=32, engine_process=False, activation_dtype="float32")
         loaded = load_model(config)
         assert loaded.spec.long_prompt_threshold == SWITCH
+        qkv = loaded.model.layers[0].self_attn.qkv_proj.quantized
+        assert isinstance(qkv, QuantizedWeight) == blocks
         with LLM.from_config(config, loaded) as llm:
             got = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
