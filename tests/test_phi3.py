@@ -183,7 +183,7 @@ def test_split_over_ranks_equals_one_rank(phi_dir, size: int) -> None:
 
 
 def test_a_sequence_crossing_the_threshold_is_recomputed_long_and_proposals_stop_short_of_it() -> None:
-    kv = KVCacheManager(16, 16, long_prompt_threshold=SWITCH)
+    kv = KVCacheManager(16, 16, long_rope_threshold=SWITCH)
     scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, max_queue_len=8)
     request = Request("r", list(range(SWITCH - 1)), SamplingParams(max_tokens=8), max_tokens=8)
     scheduler.add_request(request)

@@ -176,7 +176,7 @@ def test_phi4_mini_file_rotates_as_the_model_it_was_written_from(tmp_path: Path,
         patch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
         config = EngineConfig(model=str(path), num_kv_blocks=32, engine_process=False, activation_dtype="float32")
         loaded = load_model(config)
-        assert loaded.spec.long_prompt_threshold == SWITCH
+        assert loaded.spec.long_rope_threshold == SWITCH
         qkv = loaded.model.layers[0].self_attn.qkv_proj.quantized
         assert isinstance(qkv, QuantizedWeight) == blocks
         with LLM.from_config(config, loaded) as llm:

@@ -23,14 +23,14 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         extra_key: bytes = b"",
-        long_prompt_threshold: int | None = None,
+        long_rope_threshold: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.extra_key = extra_key  # anything besides the tokens that changes the KV (the model)
         # LongRoPE models rotate every token of a sequence longer than this with other factors
         # (models/partial_rope.py): such sequences' blocks are cached apart from shorter ones' with the same tokens.
-        self.long_prompt_threshold = long_prompt_threshold
+        self.long_rope_threshold = long_rope_threshold
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_registered: dict[str, int] = {}
@@ -181,14 +181,14 @@ class KVCacheManager:
     def rotates_long(self, request: Request) -> bool:
         """Whether the request's KV is rotated with LongRoPE's long factors: its prompt is past the threshold,
         or it grew past it and was recomputed (outgrew_short_rope)."""
-        threshold = self.long_prompt_threshold
+        threshold = self.long_rope_threshold
         if threshold is not None and request.num_prompt_tokens > threshold:
             request.long_rope = True
         return request.long_rope
 
     def crosses_short_rope(self, request: Request, num_tokens: int) -> bool:
         """Whether a request rotated with LongRoPE's short factors would hold more than its threshold."""
-        threshold = self.long_prompt_threshold
+        threshold = self.long_rope_threshold
         return threshold is not None and num_tokens > threshold and not self.rotates_long(request)
 
     def outgrew_short_rope(self, request: Request) -> bool:

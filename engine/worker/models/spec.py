@@ -75,8 +75,8 @@ class ModelSpec:
         )
 
     @property
-    def long_prompt_threshold(self) -> int | None:
-        """LongRoPE's original_max_position_embeddings: a longer prompt is rotated with the long factors
+    def long_rope_threshold(self) -> int | None:
+        """LongRoPE's original_max_position_embeddings: a longer sequence is rotated with the long factors
         throughout (models/partial_rope.py); None for other RoPE."""
         return long_rope_switch(self.rope_parameters)
 
