@@ -29,7 +29,7 @@ from pagedserve.engine.worker.models.layers import RotaryEmbedding
 
 def rotary_dim(head_dim: int, rope_parameters: dict[str, Any]) -> int:
     """How many of a head's dimensions RoPE rotates (transformers' int(head_dim * partial_rotary_factor))."""
-    return int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0) or head_dim)
+    return int(head_dim * (rope_parameters.get("partial_rotary_factor") or 1.0))
 
 
 def long_rope_switch(rope_parameters: dict[str, Any]) -> int | None:
