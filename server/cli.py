@@ -14,6 +14,7 @@ from pagedserve.server.benchmark.command import add_bench_commands
 from pagedserve.server.engine_args import add_engine_args, engine_config
 from pagedserve.server.logs import LOG_FORMATS, configure_logging
 from pagedserve.server.offline import LOG_LEVELS
+from pagedserve.server.reasoning import THINK_PARSERS
 from pagedserve.server.settings import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -126,10 +127,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     chat.add_argument(
         "--reasoning-parser",
-        choices=("auto", "think", "none"),
+        choices=("auto", *THINK_PARSERS, "none"),
         default="auto",
-        help="think: a reply's leading <think>...</think> becomes reasoning_content; auto: when the chat template "
-        "mentions <think> (default)",
+        help="think (qwen3, deepseek_r1: the same): a reply's leading <think>...</think> becomes reasoning_content; "
+        "auto: when the chat template mentions <think> (default)",
     )
     add_engine_args(serve, exclude=frozenset({"served_model_name"}))
     serve.set_defaults(run=serve_command)

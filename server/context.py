@@ -20,7 +20,7 @@ from pagedserve.server.errors import APIError, engine_unavailable
 from pagedserve.server.logprobs import TokenText
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.protocol import Envelope
-from pagedserve.server.reasoning import reasoning_parser_for_template
+from pagedserve.server.reasoning import THINK_PARSERS, reasoning_parser_for_template
 from pagedserve.server.tool_parsers import parser_for_template
 
 VERSION = version("pagedserve")
@@ -33,7 +33,8 @@ class ServerSettings:
     cors_allowed_origins: list[str] = field(default_factory=list)
     max_request_bytes: int = 1 << 20  # larger bodies get 413
     tool_call_parser: str = "auto"  # how `tool_choice: auto` replies are read; auto = from the chat template
-    reasoning_parser: str = "auto"  # "think": <think>...</think> is reasoning_content; auto = from the template
+    # "think" (or "qwen3", "deepseek_r1"): <think>...</think> is reasoning_content; auto = from the template
+    reasoning_parser: str = "auto"
     web_page: bool = True  # GET / serves the chat and status page (off: --disable-web-page)
 
 
@@ -102,7 +103,7 @@ class ServingContext:
         return (
             reasoning_parser_for_template(self.engine.tokenizer.chat_template)
             if chosen == "auto"
-            else chosen == "think"
+            else chosen in THINK_PARSERS
         )
 
     @property

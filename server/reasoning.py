@@ -14,6 +14,7 @@ from pagedserve.server.tool_parsers.base import partial_marker_length
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+THINK_PARSERS = ("think", "qwen3", "deepseek_r1")  # --reasoning-parser names of this format (vLLM's are the last)
 
 
 def reasoning_parser_for_template(chat_template: str | None) -> bool:

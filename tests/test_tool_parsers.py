@@ -100,7 +100,7 @@ def test_parser_for_template_looks_for_each_format_s_markers(template: str | Non
 
 
 def test_registry_names_every_parser() -> None:
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "json_array"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic", "json_array"}
     for name, parser in PARSERS.items():
         assert parser.name == name
         assert isinstance(parser().stream(), ToolCallStream)

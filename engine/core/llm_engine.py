@@ -77,6 +77,7 @@ class LLMEngine:
             plan.block_size,
             self.config.enable_prefix_caching,
             hashlib.sha256(identity).digest(),
+            self.loaded.spec.long_rope_threshold,
         )
         executor.bind_kv_cache(self.kv)
         self.scheduler = Scheduler(

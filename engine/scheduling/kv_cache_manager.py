@@ -17,10 +17,20 @@ def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...], extra_key:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, extra_key: bytes = b"") -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        extra_key: bytes = b"",
+        long_rope_threshold: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.extra_key = extra_key  # anything besides the tokens that changes the KV (the model)
+        # LongRoPE models rotate every token of a sequence longer than this with other factors
+        # (models/partial_rope.py): such sequences' blocks are cached apart from shorter ones' with the same tokens.
+        self.long_rope_threshold = long_rope_threshold
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_registered: dict[str, int] = {}
@@ -160,6 +170,33 @@ class KVCacheManager:
 
     def _update_hashes(self, request: Request) -> None:
         hashes = request.block_hashes
+        extra_key = self._extra_key(request)
         for index in range(len(hashes), request.num_tokens // self.block_size):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, self._block_tokens(request, index), self.extra_key))
+            hashes.append(hash_block(parent, self._block_tokens(request, index), extra_key))
+
+    def _extra_key(self, request: Request) -> bytes:
+        return self.extra_key + b"long rope" if self.rotates_long(request) else self.extra_key
+
+    def rotates_long(self, request: Request) -> bool:
+        """Whether the request's KV is rotated with LongRoPE's long factors: its prompt is past the threshold,
+        or it grew past it and was recomputed (outgrew_short_rope)."""
+        threshold = self.long_rope_threshold
+        if threshold is not None and request.num_prompt_tokens > threshold:
+            request.long_rope = True
+        return request.long_rope
+
+    def crosses_short_rope(self, request: Request, num_tokens: int) -> bool:
+        """Whether a request rotated with LongRoPE's short factors would hold more than its threshold."""
+        threshold = self.long_rope_threshold
+        return threshold is not None and num_tokens > threshold and not self.rotates_long(request)
+
+    def outgrew_short_rope(self, request: Request) -> bool:
+        """Whether the request just grew past the LongRoPE threshold with KV rotated short: transformers then
+        rotates the whole sequence with the long factors, so it is recomputed (its block hashes, made with the
+        short factors' key, are dropped and made again)."""
+        if not self.crosses_short_rope(request, request.num_tokens):
+            return False
+        request.long_rope = True
+        request.block_hashes.clear()
+        return True

@@ -64,6 +64,9 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # of this request's full blocks, filled by the KV manager
+        # LongRoPE: its KV is rotated with the long factors (a long prompt, or recomputed once it grew past the
+        # threshold; KVCacheManager.rotates_long).
+        self.long_rope = False
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.prompt_logprobs: list[TokenLogprob] = []  # of prompt tokens 1, 2, ... so far (prompt_logprobs set)

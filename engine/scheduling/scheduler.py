@@ -124,6 +124,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self.kv.outgrew_short_rope(request):  # LongRoPE: recomputed with the long factors
+                self._requeue(self.running.pop(index))
+                continue
             drafts = self._fit_drafts(request, (proposals or {}).get(request.request_id, []), budget)
             if drafts:
                 num_new = cost = 1 + len(drafts)
@@ -147,6 +150,8 @@ class Scheduler:
         allocated, or none (no budget or no free block for them)."""
         if not drafts or request.num_computed_tokens != request.num_tokens - 1 or 1 + len(drafts) > budget:
             return []
+        if self.kv.crosses_short_rope(request, request.num_tokens + len(drafts)):
+            return []  # verified past LongRoPE's threshold, they would be rotated short
         return drafts if self.kv.allocate_slots(request, 1 + len(drafts)) else []
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
@@ -159,11 +164,15 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        self._requeue(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _requeue(self, request: Request) -> None:
+        """Frees the request's blocks and puts it first in line, to be computed again."""
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:

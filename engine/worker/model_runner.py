@@ -24,6 +24,7 @@ from pagedserve.engine.worker.cuda_graphs import Capture, DecodeGraphs
 from pagedserve.engine.worker.distributed.commands import Command, send_command
 from pagedserve.engine.worker.models import KVCache
 from pagedserve.engine.worker.models.causal_lm import CausalLM
+from pagedserve.engine.worker.models.partial_rope import PartialRotaryEmbedding
 from pagedserve.engine.worker.native_decoder import bind_kv_caches
 from pagedserve.engine.worker.prompt_logprobs import PromptRows, lm_head_chunks, rows_to_score, score
 from pagedserve.kernels import AttentionMetadata, KernelBackend
@@ -143,9 +144,10 @@ class ModelRunner(ShardRunner):
         block_tables = self._block_tables([self.kv.block_ids(r.request_id) for r in requests])
         block_of_token = block_tables[seq_of_token, positions // self.block_size].long()
         seq_lens = [c + n for c, n in zip(computed, num_new)]
+        known = torch.tensor([len(r.all_token_ids) for r in requests])[seq_of_token]
         return HostBatch(
             input_ids=torch.tensor(token_ids),
-            positions=positions,
+            positions=self._rotary_rows(positions, known),
             slot_mapping=block_of_token * self.block_size + positions % self.block_size,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             query_start_loc=query_start_loc,
@@ -166,7 +168,9 @@ class ModelRunner(ShardRunner):
         seq_lens = [position + 1 for position in positions]
         return HostBatch(
             input_ids=torch.tensor([r.all_token_ids[p] for r, p in zip(requests, positions)]),
-            positions=torch.tensor(positions),
+            positions=self._rotary_rows(
+                torch.tensor(positions), torch.tensor([len(r.all_token_ids) for r in requests])
+            ),
             slot_mapping=torch.tensor([t[p // size] * size + p % size for t, p in zip(tables, positions)]),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             query_start_loc=torch.arange(len(scheduled) + 1, dtype=torch.int32),
@@ -175,6 +179,14 @@ class ModelRunner(ShardRunner):
             query_lens_host=[1] * len(scheduled),
             seq_lens_host=seq_lens,
         )
+
+    def _rotary_rows(self, positions: torch.Tensor, sequence_lens: torch.Tensor) -> torch.Tensor:
+        """The rows of the RoPE tables the model reads: LongRoPE's depend on the length of each token's
+        sequence too (models/partial_rope.py); the KV slots were placed by the true positions."""
+        rotary = getattr(self.model, "rotary", None)
+        if isinstance(rotary, PartialRotaryEmbedding):
+            return rotary.table_rows(positions, sequence_lens)
+        return positions
 
     def prepare(self, scheduled: Sequence[ScheduledSequence]) -> StepInputs:
         batch = self.pack(scheduled)

@@ -20,11 +20,23 @@ from pagedserve.server.tool_parsers.hermes import HERMES_START, HermesParser
 from pagedserve.server.tool_parsers.json_array import JsonArrayParser
 from pagedserve.server.tool_parsers.llama3_json import PYTHON_TAG, Llama3JsonParser
 from pagedserve.server.tool_parsers.mistral import MISTRAL_CALLS, MistralParser
+from pagedserve.server.tool_parsers.phi4_mini import PHI4_TOOL_TAG, Phi4MiniJsonParser
+from pagedserve.server.tool_parsers.pythonic import PYTHONIC_EXAMPLE, PythonicParser
 
-__all__ = ["PARSERS", "HermesParser", "JsonArrayParser", "Llama3JsonParser", "MistralParser", "parser_for_template"]
+__all__ = [
+    "PARSERS",
+    "HermesParser",
+    "JsonArrayParser",
+    "Llama3JsonParser",
+    "MistralParser",
+    "Phi4MiniJsonParser",
+    "PythonicParser",
+    "parser_for_template",
+]
 
 PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, JsonArrayParser)
+    parser.name: parser
+    for parser in (HermesParser, Llama3JsonParser, MistralParser, Phi4MiniJsonParser, PythonicParser, JsonArrayParser)
 }
 AUTO_TOOL_PARSERS = tuple(name for name in PARSERS if name != "json_array")  # formats models write by themselves
 
@@ -38,4 +50,8 @@ def parser_for_template(chat_template: str | None) -> str:
         return Llama3JsonParser.name
     if MISTRAL_CALLS in template:
         return MistralParser.name
+    if PHI4_TOOL_TAG in template:
+        return Phi4MiniJsonParser.name
+    if PYTHONIC_EXAMPLE in template:
+        return PythonicParser.name
     return HermesParser.name  # our default tool template writes Hermes-style blocks

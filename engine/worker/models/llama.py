@@ -26,6 +26,7 @@ from pagedserve.engine.worker.models.layers import (
     projection,
     vocab_rows_per_rank,
 )
+from pagedserve.engine.worker.models.partial_rope import PartialRotaryEmbedding, needs_partial_rope
 from pagedserve.engine.worker.models.spec import ModelSpec
 from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
@@ -227,6 +228,8 @@ class LlamaForCausalLM(nn.Module):
 
 def rotary_embedding(spec: ModelSpec, hf_config: Any, max_positions: int) -> RotaryEmbedding:
     """The model's cos/sin tables, on the default device."""
+    if needs_partial_rope(spec.head_dim, spec.rope_parameters):
+        return PartialRotaryEmbedding(spec.head_dim, max_positions, spec.rope_parameters, hf_config)
     return RotaryEmbedding(spec.head_dim, max_positions, spec.rope_parameters, hf_config)
 
 

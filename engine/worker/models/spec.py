@@ -6,11 +6,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.engine.worker.models.partial_rope import long_rope_switch
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # Phi-3, Phi-4-mini (models/phi3.py)
 }
 
 
@@ -70,6 +73,12 @@ class ModelSpec:
             sliding_window=window,
             eos_token_ids=eos_ids,
         )
+
+    @property
+    def long_rope_threshold(self) -> int | None:
+        """LongRoPE's original_max_position_embeddings: a longer sequence is rotated with the long factors
+        throughout (models/partial_rope.py); None for other RoPE."""
+        return long_rope_switch(self.rope_parameters)
 
     # ---- tensor parallelism (Megatron-style: heads and the MLP width split across ranks) --------------
 

@@ -32,6 +32,7 @@ from torch import nn
 from pagedserve.engine.worker.models import LlamaForCausalLM, ModelSpec
 from pagedserve.engine.worker.models.layers import QuantizedEmbedding, vocab_rows_per_rank
 from pagedserve.engine.worker.models.llama import rank_slice
+from pagedserve.engine.worker.models.phi3 import fused_row_order
 from pagedserve.engine.worker.weights.block_shards import CheckpointSlice, on_block_boundaries, read_shard
 from pagedserve.engine.worker.weights.gguf_files import StoredTensor, TensorIndex
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
@@ -53,6 +54,15 @@ FUSED = {
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
     "mlp.down_proj": ("ffn_down",),
 }
+# Phi-3 stores q/k/v as one tensor and gate/up as one: read whole, their rows put in our order per rank
+# (models/phi3.py: fused_row_order).
+PHI3_FUSED = {
+    "self_attn.qkv_proj": ("attn_qkv",),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_up",),
+    "mlp.down_proj": ("ffn_down",),
+}
+PHI3_ROWS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # role -> our fused module
 PART_MODULES = {  # a GGUF role -> the transformers module its checkpoint tensor belongs to
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -76,6 +86,7 @@ class GGUFTensors:
     def __init__(self, gguf_file: Path, index: TensorIndex, spec: ModelSpec, split: Split | None) -> None:
         self.file, self.tensors, self.spec, self.split = gguf_file, index.tensors, spec, split
         self.permuted = index.architecture in PERMUTED_ARCHITECTURES
+        self.fused_rows = PHI3_ROWS if spec.architecture == "Phi3ForCausalLM" else {}
 
     def get(self, name: str) -> StoredTensor:
         if name not in self.tensors:
@@ -129,10 +140,14 @@ class GGUFTensors:
             return None
         if _vocab(role):
             return rank_slice("lm_head.weight", self.spec, *self.split)
+        if role in self.fused_rows:
+            return None  # the rank's rows are picked by _order
         layer, kind = name.split(".")[1], name.rsplit(".", 1)[1]  # "blk.3.attn_q.weight"
         return rank_slice(f"model.layers.{layer}.{PART_MODULES[role]}.{kind}", self.spec, *self.split)
 
     def _order(self, role: str, num_rows: int) -> np.ndarray | None:
+        if role in self.fused_rows:
+            return fused_row_order(self.fused_rows[role], self.spec, self.split).numpy()
         heads = {"attn_q": self.spec.num_heads, "attn_k": self.spec.num_kv_heads}.get(role)
         return _unpermuted_rows(num_rows, heads) if self.permuted and heads is not None else None
 
@@ -252,8 +267,9 @@ def _load_embedding_and_head(
 
 def _projections(spec: ModelSpec) -> Iterator[tuple[str, list[tuple[str, str]]]]:
     """Each of our projections with the GGUF tensors (name, role) stacked into it, in order."""
+    fused = PHI3_FUSED if spec.architecture == "Phi3ForCausalLM" else FUSED
     for layer in range(spec.num_layers):
-        for module, roles in FUSED.items():
+        for module, roles in fused.items():
             yield f"layers.{layer}.{module}", [(f"blk.{layer}.{role}.weight", role) for role in roles]
 
 
