@@ -11,7 +11,10 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",  # models/gemma.py
+    "Gemma3ForCausalLM": "gemma3_text",
 }
+PER_LAYER_WINDOWS = ("gemma2", "gemma3_text")  # windowed layers attend over their window (models/gemma.py)
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class ModelSpec:
         eos = config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = getattr(config, "sliding_window", None)
-        if family == "qwen2" and not getattr(config, "use_sliding_window", False):
+        if (family == "qwen2" and not getattr(config, "use_sliding_window", False)) or family in PER_LAYER_WINDOWS:
             window = None
         return cls(
             architecture=arch,
