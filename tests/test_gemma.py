@@ -168,3 +168,18 @@ def test_server_matches_transformers(gemma_loaded, gemma_dir, reference) -> None
             completion = client.completions.create(model="gemma", prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
             texts.append(completion.choices[0].text)
     assert texts == [tokenizer.decode(tokens) for tokens, _ in reference]
+
+
+def test_triton_backend_matches_transformers(tmp_path: Path, smol_dir: Path) -> None:
+    """Gemma 2 (windows and caps) on the Triton backend, interpreted on the CPU: head_dim 64, its smallest."""
+    folder = tmp_path / "gemma2-hd64"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(GEMMA_COMMON, "head_dim", 64)
+        save_tiny_gemma("gemma2", folder, smol_dir)
+    prompt = list(range(500, 520))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :].tolist()
+    config = mixed_config(folder, attention_backend="triton", max_num_batched_tokens=8, engine_process=False)
+    with LLM.from_config(config) as llm:
+        got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    assert got[0].outputs[0].token_ids == expected
