@@ -183,3 +183,19 @@ def test_triton_backend_matches_transformers(tmp_path: Path, smol_dir: Path) -> 
     with LLM.from_config(config) as llm:
         got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     assert got[0].outputs[0].token_ids == expected
+
+
+def test_two_ranks_match_transformers(gemma_dir, reference) -> None:
+    """Split over two ranks (gloo): heads, MLP width and vocabulary; Gemma's norms whole on every rank."""
+    config = mixed_config(gemma_dir, tensor_parallel_size=2, num_threads=1)
+    engine = LLMEngine(config)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
+        for i, ids in enumerate(PROMPTS):
+            engine.add_request(str(i), ids, params)
+        tokens, logprobs = _run(engine)
+    finally:
+        engine.close()
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == [t for t, _ in reference]
+    for i, (_, expected) in enumerate(reference):
+        torch.testing.assert_close(logprobs[str(i)], expected, atol=1e-4, rtol=1e-4)
