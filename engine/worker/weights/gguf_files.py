@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.engine.worker.weights.gguf_gemma import with_gemma_settings
+
 logger = logging.getLogger(__name__)
 
 SOURCE_FILE = "pagedserve_source.json"
@@ -183,6 +185,7 @@ def _config(gguf_file: Path) -> Any:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     values = load_gguf_checkpoint(str(gguf_file), return_tensors=False)["config"]
+    values = with_gemma_settings(gguf_file, values)
     return CONFIG_MAPPING[values["model_type"]].from_dict(values)
 
 
