@@ -245,8 +245,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         embeddings = self.embed_tokens(input_ids)
-        # The scale rounded to the activations' dtype first, as transformers does (bfloat16: 55.5 for sqrt(3072)).
-        embeddings = embeddings * torch.tensor(self.spec.hidden_size**0.5, dtype=embeddings.dtype)
+        # The scale rounded to the activations' dtype first, as transformers does (bfloat16: 55.5 for sqrt(3072));
+        # a Python number, so that a recorded CUDA graph holds no tensor made at capture.
+        embeddings = embeddings * _rounded(self.spec.hidden_size**0.5, embeddings.dtype)
         angles = self.rotary_by_type.angles(positions)
         hidden = self.backend.in_linear_output_layout(embeddings)
         residual = None
@@ -266,5 +267,5 @@ class GemmaForCausalLM(LlamaForCausalLM):
         super().load_weights((name, t.float() + 1 if name.endswith(NORM_SUFFIX) else t) for name, t in weights)
 
 
-def gemma_rotary(spec: ModelSpec, hf_config: Any, max_positions: int) -> GemmaRotary:
-    return GemmaRotary(spec.head_dim, max_positions, hf_config)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=dtype))
