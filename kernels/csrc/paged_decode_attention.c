@@ -88,10 +88,19 @@ static void attention_scores(float *scores, const float *query, const float *k_c
     }
 }
 
-/* In place: score s becomes cap * tanh(s / cap), Gemma 2's soft-capping of attention logits. */
+/*
+ * In place: score s becomes cap * tanh(s / cap), Gemma 2's soft-capping of attention logits. tanh from
+ * exp_negative, which vectorises where libm's tanhf does not: tanhf added ~25% to a decode step's attention
+ * at 8k tokens, this about nothing (measured on 2 shared cores).
+ */
 static void cap_scores(float *scores, int64_t count, float cap) {
     const float inverse = 1.0f / cap;
-    for (int64_t i = 0; i < count; ++i) scores[i] = cap * tanhf(scores[i] * inverse);
+#pragma omp simd
+    for (int64_t i = 0; i < count; ++i) {
+        const float x = scores[i] * inverse, e = exp_negative(2.0f * fabsf(x));
+        const float magnitude = (1.0f - e) / (1.0f + e);
+        scores[i] = cap * (x < 0.0f ? -magnitude : magnitude);
+    }
 }
 
 /* In place: each head's row of scores becomes its softmax weights. */
