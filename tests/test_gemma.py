@@ -40,17 +40,30 @@ GEMMA_COMMON: dict[str, Any] = dict(
     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     initializer_range=0.05,  # varied tokens, which the window and the attention soft-cap both change
 )
+GEMMA3_TEXT: dict[str, Any] = dict(
+    **GEMMA_COMMON,
+    final_logit_softcapping=3.0,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    },
+)
 CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "gemma2": lambda: transformers.Gemma2Config(
         **GEMMA_COMMON, attn_logit_softcapping=2.0, final_logit_softcapping=3.0
     ),
-    "gemma3": lambda: transformers.Gemma3TextConfig(
-        **GEMMA_COMMON,
-        final_logit_softcapping=3.0,
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-            "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-        },
+    "gemma3": lambda: transformers.Gemma3TextConfig(**GEMMA3_TEXT),
+    # Gemma 3 4B and larger: image and text (served text in, text out)
+    "gemma3-image-text": lambda: transformers.Gemma3Config(
+        text_config=GEMMA3_TEXT,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+        mm_tokens_per_image=4,
+        image_token_id=49000,
+        boi_token_index=49001,
+        eoi_token_index=49002,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=0,
     ),
 }
 MAX_TOKENS = 16

@@ -16,13 +16,18 @@ its window, but its blocks before the window are not given back.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
+from pagedserve.engine.worker.models.gemma_settings import (
+    NORM_SUFFIX,
+    GemmaRotary,
+    GemmaSettings,
+    text_model_name,
+)
 from pagedserve.engine.worker.models.layers import (
     Embedding,
     GatedMLP,
@@ -33,82 +38,10 @@ from pagedserve.engine.worker.models.layers import (
     projection,
     vocab_rows_per_rank,
 )
-from pagedserve.engine.worker.models.llama import FusedLayers, KVCache, LlamaForCausalLM
+from pagedserve.engine.worker.models.llama import CheckpointSlice, FusedLayers, KVCache, LlamaForCausalLM
 from pagedserve.engine.worker.models.spec import ModelSpec
 from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
-
-GEMMA_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
-SLIDING = "sliding_attention"
-NORM_SUFFIX = "norm.weight"  # every norm of the model, q/k norms and the final one included
-
-
-@dataclass(frozen=True)
-class GemmaSettings:
-    """What a Gemma layer needs beyond the ModelSpec, read from transformers' config."""
-
-    layer_types: tuple[str, ...]  # "sliding_attention" or "full_attention", per layer
-    sliding_window: int
-    query_scale: float
-    attention_soft_cap: float | None
-    final_soft_cap: float | None
-    qk_norm: bool  # Gemma 3
-
-    @classmethod
-    def from_hf_config(cls, config: Any) -> GemmaSettings:
-        if config.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"unsupported Gemma hidden_activation {config.hidden_activation!r}")
-        gemma3 = config.model_type == "gemma3_text"
-        return cls(
-            layer_types=tuple(config.layer_types),
-            sliding_window=config.sliding_window,
-            query_scale=config.query_pre_attn_scalar**-0.5,
-            attention_soft_cap=None if gemma3 else config.attn_logit_softcapping,
-            final_soft_cap=config.final_logit_softcapping,
-            qk_norm=gemma3,
-        )
-
-    def window(self, layer: int) -> int | None:
-        return self.sliding_window if self.layer_types[layer] == SLIDING else None
-
-
-class GemmaRotary(nn.Module):
-    """cos/sin tables per layer type: Gemma 3's sliding layers rotate with a base of their own."""
-
-    def __init__(self, head_dim: int, max_positions: int, hf_config: Any) -> None:
-        super().__init__()
-        self.layer_types = sorted(set(hf_config.layer_types))
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        for layer_type in self.layer_types:
-            inv_freq, scaling = _inverse_frequencies(hf_config, layer_type, head_dim)
-            freqs = torch.outer(positions, inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self.register_buffer(f"{layer_type}_cos", emb.cos() * scaling, persistent=False)
-            self.register_buffer(f"{layer_type}_sin", emb.sin() * scaling, persistent=False)
-
-    def angles(self, positions: torch.Tensor) -> dict[str, RotaryAngles]:
-        return {
-            kind: RotaryAngles(getattr(self, f"{kind}_cos")[positions], getattr(self, f"{kind}_sin")[positions])
-            for kind in self.layer_types
-        }
-
-
-def _inverse_frequencies(hf_config: Any, layer_type: str, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Gemma 3 keeps RoPE settings per layer type, Gemma 2 one set for all layers."""
-    params = hf_config.rope_parameters
-    nested = layer_type in params
-    params = params[layer_type] if nested else params
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-        return 1.0 / (params["rope_theta"] ** exponents), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
-        raise ValueError(f"unsupported rope_type {rope_type!r}")
-    extra = {"layer_type": layer_type} if nested else {}
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **extra)
-    return inv_freq.float(), float(scaling)
 
 
 class GemmaAttention(nn.Module):
@@ -263,8 +196,18 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """transformers' checkpoint names, as Llama's; norms stored as (1 + weight), what they multiply by."""
-        super().load_weights((name, t.float() + 1 if name.endswith(NORM_SUFFIX) else t) for name, t in weights)
+        """transformers' checkpoint names, as Llama's (an image-text model's text model's among them); norms stored
+        as (1 + weight), what they multiply by."""
+        text_weights = ((text_model_name(name), tensor) for name, tensor in weights)
+        super().load_weights(
+            (name, tensor.float() + 1 if name.endswith(NORM_SUFFIX) else tensor)
+            for name, tensor in text_weights
+            if name is not None
+        )
+
+    def checkpoint_slice(self, hf_name: str) -> CheckpointSlice | None:
+        name = text_model_name(hf_name)
+        return None if name is None else super().checkpoint_slice(name)
 
 
 def _rounded(value: float, dtype: torch.dtype) -> float:

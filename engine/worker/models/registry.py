@@ -7,7 +7,8 @@ from typing import Any
 from torch import nn
 
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
-from pagedserve.engine.worker.models.gemma import GEMMA_ARCHITECTURES, GemmaForCausalLM, GemmaRotary
+from pagedserve.engine.worker.models.gemma import GemmaForCausalLM
+from pagedserve.engine.worker.models.gemma_settings import GEMMA_ARCHITECTURES, GemmaRotary
 from pagedserve.engine.worker.models.layers import RotaryEmbedding
 from pagedserve.engine.worker.models.llama import LlamaForCausalLM, rotary_embedding
 from pagedserve.engine.worker.models.spec import ModelSpec

@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",  # models/gemma.py
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",  # image and text: served as its text model, text in and out
 }
 PER_LAYER_WINDOWS = ("gemma2", "gemma3_text")  # windowed layers attend over their window (models/gemma.py)
 
@@ -48,6 +49,8 @@ class ModelSpec:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        if family == "gemma3":
+            return _text_model_spec(cls.from_hf_config(config.text_config), config)
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         eos = config.eos_token_id
@@ -118,6 +121,13 @@ class ModelSpec:
         if self.num_kv_heads >= size:
             return rank * (self.num_kv_heads // size)
         return rank // (size // self.num_kv_heads)
+
+
+def _text_model_spec(text_spec: ModelSpec, config: Any) -> ModelSpec:
+    """An image-text model's text model, ending on the tokens the whole model's config names."""
+    eos = config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return dataclasses.replace(text_spec, eos_token_ids=eos_ids or text_spec.eos_token_ids)
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:
