@@ -154,3 +154,4 @@ def test_greedy_tokens_equal_transformers_on_the_same_weights(gemma_file) -> Non
     with LLM.from_config(config, loaded) as llm:
         got = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
+    assert loaded.model.native_decoder is None  # block-format projections, but Gemma's layers run layer by layer
