@@ -233,8 +233,8 @@ def _paged_attention_kernel(
         tl.store(part_sum_ptr + part_row, row_sum, mask=row_valid)
         tl.store(part_acc_ptr + part_row[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=io_mask)
     else:
-        # Every row sees at least its own key, so row_sum > 0.
-        out = acc / row_sum[:, None]
+        # Every row sees at least its own key, so row_sum > 0; padding rows past a window may see none (not stored).
+        out = acc / tl.where(row_valid, row_sum, 1.0)[:, None]
         out_offsets = query_row[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
