@@ -211,3 +211,17 @@ def test_two_ranks_match_transformers(gemma_dir, reference) -> None:
     assert [tokens[str(i)] for i in range(len(PROMPTS))] == [t for t, _ in reference]
     for i, (_, expected) in enumerate(reference):
         torch.testing.assert_close(logprobs[str(i)], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_speculative_decoding_matches_transformers(gemma_loaded, gemma_dir, reference) -> None:
+    """Proposed tokens verified several rows at a time, each row over its own window."""
+    config = mixed_config(
+        gemma_dir, speculative_method="ngram", ngram_min=1, num_kv_blocks=64, max_num_batched_tokens=256
+    )
+    engine = LLMEngine(config, loaded=gemma_loaded)
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(str(i), ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    tokens, _ = _run(engine)
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == [t for t, _ in reference]
+    if any(len(set(ids + t)) < len(ids + t) for ids, (t, _) in zip(PROMPTS, reference)):  # a token to look up
+        assert engine.collect_stats().speculation.num_draft_tokens > 0
