@@ -223,5 +223,4 @@ def test_speculative_decoding_matches_transformers(gemma_loaded, gemma_dir, refe
         engine.add_request(str(i), ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     tokens, _ = _run(engine)
     assert [tokens[str(i)] for i in range(len(PROMPTS))] == [t for t, _ in reference]
-    if any(len(set(ids + t)) < len(ids + t) for ids, (t, _) in zip(PROMPTS, reference)):  # a token to look up
-        assert engine.collect_stats().speculation.num_draft_tokens > 0
+    assert engine.collect_stats().speculation.num_draft_tokens > 0  # ngram_min 1: a repeated token is looked up
