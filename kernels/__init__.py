@@ -45,12 +45,15 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     backend: str = "auto",
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over all its cached tokens; returns [T, H, D].
+    """Causal attention of each sequence's new tokens over all its cached tokens (the last `sliding_window` of
+    them where set, scores soft-capped at `soft_cap` where set); returns [T, H, D].
 
     A convenience entry point that plans on the spot; the engine builds one `AttentionMetadata` per step
     and calls the backend directly so that all layers share the plan.
     """
     impl = get_backend(backend, query.device)
     metadata = AttentionMetadata.from_tensors(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
-    return impl.paged_attention(query, k_cache, v_cache, impl.prepare(metadata), scale)
+    return impl.paged_attention(query, k_cache, v_cache, impl.prepare(metadata), scale, sliding_window, soft_cap)

@@ -74,7 +74,12 @@ class KernelBackend(ABC):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """Each new token over its sequence's cached tokens up to its own: only the last `sliding_window` of them
+        (its own included) where that is set; scores soft-capped, soft_cap * tanh(score / soft_cap), where
+        `soft_cap` is set (both per call: a model's layers differ)."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] @ weight^T + bias, in whichever layout the backend returns (see in_linear_output_layout)."""
@@ -127,6 +132,11 @@ class KernelBackend(ABC):
         """SiLU(gate) * up for gate_up = [gate | up], [T, 2I] -> [T, I]."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GELU(gate, tanh approximation) * up for gate_up = [gate | up], [T, 2I] -> [T, I] (Gemma's MLP)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def rotary(self, angles: RotaryAngles, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, H, D], key [T, KVH, D] rotated by their positions' angles. A backend may rotate in place."""

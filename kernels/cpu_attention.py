@@ -25,6 +25,7 @@ NATIVE_PREFILL_MAX_LEN = 512
 # A chunk of a few query rows (a decoding sequence verifying proposed tokens) is a few decode rows to the native
 # kernel, at any length: SDPA's per-sequence call pays its gather of the whole context for those few rows.
 NATIVE_QUERY_MAX_ROWS = 16
+WINDOWED_QUERY_ROWS = 256  # query rows of a windowed or capped layer's torch path scored at a time
 
 
 @dataclass
@@ -96,6 +97,11 @@ class AttentionPlan:
             seq_ids=torch.cat(seq_ids)[order].to(device),
             query_rows=torch.cat(rows)[order].to(device),
         )
+
+    @cached_property
+    def decode_slices(self) -> list[_PrefillSlice]:
+        """Each decode sequence as a one-row slice, for the per-sequence path of windowed or capped layers."""
+        return [_prefill_slice(self.metadata, seq, self.starts) for seq in self.decode_seqs]
 
     @cached_property
     def decode_groups(self) -> list[_DecodeGroup]:
@@ -172,6 +178,66 @@ def prefill_attention(
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
+
+
+def windowed_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    piece: _PrefillSlice,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    """prefill_attention for a layer with a sliding window or soft-capped scores: keys before the first query's
+    window are neither gathered nor scored; SDPA with a mask where there is no cap (it has no hook for one),
+    explicit scores where there is, a bounded number of query rows at a time."""
+    query_len = piece.query_end - piece.query_begin
+    first_query = piece.seq_len - query_len
+    first_key = 0 if sliding_window is None else max(0, first_query - sliding_window + 1)
+    block_size = k_cache.shape[1]
+    skipped = first_key // block_size * block_size  # whole blocks before the first key
+    blocks = piece.blocks[first_key // block_size :]
+    key = _gather(k_cache, blocks)[first_key - skipped : piece.seq_len - skipped]
+    value = _gather(v_cache, blocks)[first_key - skipped : piece.seq_len - skipped]
+    key_pos = torch.arange(first_key, piece.seq_len, device=query.device)
+    out = torch.empty_like(query)
+    for begin in range(0, query_len, WINDOWED_QUERY_ROWS):  # bounds the scores' memory
+        end = min(begin + WINDOWED_QUERY_ROWS, query_len)
+        query_pos = torch.arange(first_query + begin, first_query + end, device=query.device).unsqueeze(1)
+        visible = key_pos <= query_pos
+        if sliding_window is not None:
+            visible &= key_pos > query_pos - sliding_window
+        out[begin:end] = _masked_attention(query[begin:end], key, value, visible, scale, soft_cap)
+    return out
+
+
+def _masked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    """query [q, H, D] over key/value [k, KVH, D] where visible [q, k] -> [q, H, D]."""
+    num_queries, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if soft_cap is None:
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1).unsqueeze(0),
+            key.transpose(0, 1).unsqueeze(0),
+            value.transpose(0, 1).unsqueeze(0),
+            attn_mask=visible,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
+    grouped = query.reshape(num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    scores = torch.einsum("qkgd,tkd->kgqt", grouped, key.float()) * scale
+    scores = (soft_cap * torch.tanh(scores / soft_cap)).masked_fill_(~visible, float("-inf"))
+    out = torch.einsum("kgqt,tkd->qkgd", scores.softmax(dim=-1), value.float())
+    return out.reshape(num_queries, num_heads, head_dim).to(query.dtype)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

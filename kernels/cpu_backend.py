@@ -17,7 +17,13 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels.backend import KernelBackend, RotaryAngles
-from pagedserve.kernels.cpu_attention import AttentionPlan, decode_attention, plan_attention, prefill_attention
+from pagedserve.kernels.cpu_attention import (
+    AttentionPlan,
+    decode_attention,
+    plan_attention,
+    prefill_attention,
+    windowed_attention,
+)
 from pagedserve.kernels.cpu_layer_ops import LayerOps, heads_in_feature_order, is_dense_activation, layer_ops
 from pagedserve.kernels.cpu_linear import SkinnyLinear, skinny_linear_applies, skinny_linear_kernel
 from pagedserve.kernels.cpu_native import (
@@ -79,11 +85,14 @@ class CpuBackend(KernelBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         plan: AttentionPlan = metadata.plan if metadata.plan is not None else plan_attention(metadata)
         # Contiguous, whatever layout the projections left the query in: the native kernel reads raw rows.
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         prefills = plan.prefills
+        plain = sliding_window is None and soft_cap is None
         if self._runs_natively(query, k_cache, v_cache):
             prefills = plan.sdpa_prefills
             work = plan.native_rows
@@ -99,15 +108,21 @@ class CpuBackend(KernelBackend):
                     work.seq_ids,
                     work.query_rows,
                     scale,
+                    sliding_window,
+                    soft_cap,
                 )
-        else:
+        elif plain:
             for group in plan.decode_groups:
                 decoded = decode_attention(query[group.rows], k_cache, v_cache, group, scale)
                 out.index_copy_(0, group.rows, decoded)
+        else:
+            prefills = [*plan.decode_slices, *prefills]
         for piece in prefills:
-            out[piece.query_begin : piece.query_end] = prefill_attention(
-                query[piece.query_begin : piece.query_end], k_cache, v_cache, piece, scale
-            )
+            rows = slice(piece.query_begin, piece.query_end)
+            if plain:
+                out[rows] = prefill_attention(query[rows], k_cache, v_cache, piece, scale)
+            else:
+                out[rows] = windowed_attention(query[rows], k_cache, v_cache, piece, scale, sliding_window, soft_cap)
         return out
 
     def _runs_natively(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

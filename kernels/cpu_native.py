@@ -109,7 +109,7 @@ def native_function(symbol: str, argtypes: list[Any]) -> Callable[..., int] | No
 def decode_attention_kernel() -> DecodeAttention | None:
     """`paged_decode_attention` bound to the compiled library, or None where it cannot be built."""
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    argtypes = [pointer] * 5 + [i64] + [pointer] * 3 + [i64] + [i32] * 4 + [ctypes.c_float, i32]
+    argtypes = [pointer] * 5 + [i64] + [pointer] * 3 + [i64] + [i32] * 4 + [ctypes.c_float, i32, ctypes.c_float, i32]
     function = native_function("paged_decode_attention_f32", argtypes)
     return None if function is None else functools.partial(_paged_decode_attention, function)
 
@@ -172,9 +172,12 @@ def _paged_decode_attention(
     seq_ids: torch.Tensor,
     query_rows: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> None:
     """out[query_rows[i]] = attention of query[query_rows[i]] over the first context_lens[i] cached tokens of
-    sequence seq_ids[i]: all of them for a decode token, those up to its own for a prefill token.
+    sequence seq_ids[i]: all of them for a decode token, those up to its own for a prefill token; only the last
+    `sliding_window` of those where it is set, with scores soft-capped at `soft_cap` where it is set.
 
     query/out [rows, H, D] and the caches float32 and contiguous; block_tables [seqs, max_blocks] and
     context_lens int32; seq_ids and query_rows int64; context_lens, seq_ids and query_rows of one length.
@@ -197,6 +200,8 @@ def _paged_decode_attention(
         head_dim,
         k_cache.shape[1],
         scale,
+        sliding_window or 0,
+        soft_cap or 0.0,
         torch.get_num_threads(),
     )
     if status != 0:

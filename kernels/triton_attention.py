@@ -8,6 +8,9 @@ by position, so a KV tile may span several cache blocks and the block size is fr
 Flash-decoding: with few query tiles and long contexts the KV range is cut into `num_splits` parts handled by
 separate programs that write partial (max, sum, unnormalized output); `_merge_splits_kernel` combines them.
 Scores live in the log2 domain (the scale is premultiplied by log2(e)) so the softmax uses `exp2`.
+
+Per call, a layer may attend over a sliding window (each row sees only the last `window` keys up to its own; the
+key tiles before a tile's first window are skipped) and soft-cap its scores, cap * tanh(score / cap) (Gemma 2).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import triton.language as tl
 # Rows (query tokens x grouped heads) of a prefill tile, and the floor that `tl.dot` needs on GPUs.
 PREFILL_TILE_ROWS = 64
 MIN_DOT_SIZE = 16
+NO_WINDOW = 1 << 30  # the window of a layer that sees its whole context
+LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,10 @@ def _attend_kv_range(
     end_tile,
     kv_end,
     row_last_key,
+    window,
     scale_log2e,
+    cap_inner,
+    cap_outer,
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
@@ -77,8 +85,10 @@ def _attend_kv_range(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
-    """Online softmax over key tiles [first_tile, end_tile); each row sees keys up to row_last_key."""
+    """Online softmax over key tiles [first_tile, end_tile); each row sees the `window` keys up to row_last_key.
+    SOFT_CAP: scores are cap_outer * tanh(q.k * cap_inner), cap_inner = scale / cap, cap_outer = cap * log2(e)."""
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
     for kv_tile in range(first_tile, end_tile):
@@ -96,8 +106,14 @@ def _attend_kv_range(
             other=0.0,
         )
         # "ieee" keeps float32 exact on tensor-core GPUs; it is ignored for 16-bit inputs.
-        scores = tl.dot(q, k, input_precision="ieee") * scale_log2e
-        visible = key_valid[None, :] & (key_pos[None, :] <= row_last_key[:, None])
+        scores = tl.dot(q, k, input_precision="ieee")
+        if SOFT_CAP:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp overflowing to inf gives 1).
+            scores = (1.0 - 2.0 / (tl.exp(2.0 * cap_inner * scores) + 1.0)) * cap_outer
+        else:
+            scores = scores * scale_log2e
+        in_window = key_pos[None, :] > row_last_key[:, None] - window
+        visible = key_valid[None, :] & (key_pos[None, :] <= row_last_key[:, None]) & in_window
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         # A row that has seen no key yet (possible inside a split) keeps max -inf: shift by 0, not -inf.
@@ -130,6 +146,9 @@ def _paged_attention_kernel(
     part_max_ptr,
     part_sum_ptr,
     scale_log2e,
+    cap_inner,
+    cap_outer,
+    window,
     num_splits,
     stride_query_token,
     stride_query_head,
@@ -149,6 +168,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLIT_KV: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """Grid (query tile, KV head, KV split)."""
     tile = tl.program_id(0)
@@ -173,11 +193,12 @@ def _paged_attention_kernel(
         other=0.0,
     )
 
-    # Keys the tile's last token can see; this program takes its split's share of those key tiles.
+    # Keys from the first token's window to the last token; this program takes its split's share of those tiles.
     kv_end = context_len + tl.minimum(tile_start + TILE_TOKENS, query_len)
     kv_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(kv_tiles, num_splits)
-    first_tile = split * tiles_per_split
+    window_tile = tl.maximum(context_len + tile_start - window + 1, 0) // BLOCK_N
+    tiles_per_split = tl.cdiv(kv_tiles - window_tile, num_splits)
+    first_tile = window_tile + split * tiles_per_split
     end_tile = tl.minimum(first_tile + tiles_per_split, kv_tiles)
     acc, row_max, row_sum = _attend_kv_range(
         q,
@@ -192,7 +213,10 @@ def _paged_attention_kernel(
         end_tile,
         kv_end,
         context_len + token,
+        window,
         scale_log2e,
+        cap_inner,
+        cap_outer,
         stride_cache_block,
         stride_cache_slot,
         stride_cache_head,
@@ -200,6 +224,7 @@ def _paged_attention_kernel(
         BLOCK_SIZE,
         HEAD_DIM,
         HEAD_DIM_PAD,
+        SOFT_CAP,
     )
 
     if SPLIT_KV:
@@ -208,8 +233,8 @@ def _paged_attention_kernel(
         tl.store(part_sum_ptr + part_row, row_sum, mask=row_valid)
         tl.store(part_acc_ptr + part_row[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=io_mask)
     else:
-        # Every row sees at least key 0, so row_sum > 0.
-        out = acc / row_sum[:, None]
+        # Every row sees at least its own key, so row_sum > 0; padding rows past a window may see none (not stored).
+        out = acc / tl.where(row_valid, row_sum, 1.0)[:, None]
         out_offsets = query_row[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -238,7 +263,7 @@ def _merge_splits_kernel(
     part_row = splits * stride_part_split + token * stride_part_token + head
     split_max = tl.load(part_max_ptr + part_row, mask=split_valid, other=float("-inf"))
     split_sum = tl.load(part_sum_ptr + part_row, mask=split_valid, other=0.0)
-    # The split holding key 0 is never empty, so the global max is finite; empty splits weigh exp2(-inf) = 0.
+    # Some split holds the row's own key, so the global max is finite; empty splits weigh exp2(-inf) = 0.
     weight = tl.exp2(split_max - tl.max(split_max, 0))
     split_acc = tl.load(
         part_acc_ptr + part_row[:, None] * HEAD_DIM_PAD + dims[None, :],
@@ -259,8 +284,11 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     launch: AttentionLaunch,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """query [T, H, D] (any token/head strides, contiguous in D) -> out [T, H, D] contiguous.
+    """query [T, H, D] (any token/head strides, contiguous in D) -> out [T, H, D] contiguous; each token sees the
+    last `sliding_window` keys up to its own where that is set, scores soft-capped at `soft_cap` where set.
 
     Both caches must share one layout, contiguous in head_dim; block_tables must be contiguous in its rows.
     """
@@ -291,7 +319,10 @@ def paged_attention(
         part_acc,
         part_max,
         part_sum,
-        scale * math.log2(math.e),
+        scale * LOG2E,
+        scale / soft_cap if soft_cap else 0.0,
+        soft_cap * LOG2E if soft_cap else 0.0,
+        sliding_window or NO_WINDOW,
         launch.num_splits,
         query.stride(0),
         query.stride(1),
@@ -310,6 +341,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         SPLIT_KV=split_kv,
+        SOFT_CAP=bool(soft_cap),
         num_warps=shape.num_warps,
     )
     if split_kv:

@@ -110,6 +110,8 @@ class TritonBackend(KernelBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         launch = self.launch_for(metadata, query.shape[1], k_cache.shape[2], query.shape[2])
         return triton_attention.paged_attention(
@@ -121,6 +123,8 @@ class TritonBackend(KernelBackend):
             metadata.query_start_loc,
             scale,
             launch,
+            sliding_window,
+            soft_cap,
         )
 
     def launch_for(

@@ -44,10 +44,12 @@ def _metadata(case: PagedCase, backend: TritonBackend) -> AttentionMetadata:
     return backend.prepare(metadata)
 
 
-def _assert_matches_reference(case: PagedCase, out: torch.Tensor) -> None:
+def _assert_matches_reference(
+    case: PagedCase, out: torch.Tensor, window: int | None = None, cap: float | None = None
+) -> None:
     """The reference runs on the CPU (its masks are CPU tensors) from the same cache contents."""
     inputs = (case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc)
-    expected = paged_attention_reference(*(t.cpu() for t in inputs), case.scale)
+    expected = paged_attention_reference(*(t.cpu() for t in inputs), case.scale, window, cap)
     tol = TOLERANCE[case.query.dtype]
     torch.testing.assert_close(out.cpu(), expected, atol=tol, rtol=tol)
 
@@ -139,6 +141,31 @@ def test_launch_is_planned_once_per_step() -> None:
     first = backend.launch_for(metadata, 4, 2, 64)
     backend.paged_attention(case.query, case.k_cache, case.v_cache, metadata, case.scale)
     assert backend.launch_for(metadata, 4, 2, 64) is first
+
+
+# (window, cap) of Gemma's layers: a window inside one key tile, one across tiles and blocks, a cap, both
+WINDOWED = [(5, None), (40, None), (None, 3.0), (12, 2.0)]
+
+
+@pytest.mark.parametrize("window,cap", WINDOWED)
+@pytest.mark.parametrize("batch", [MIXED, ([90, 70], [50, 1])])
+def test_sliding_window_and_soft_cap_match_reference(batch, window, cap) -> None:
+    case = _case(*batch, num_heads=4, num_kv_heads=2, block_size=8)
+    backend = TritonBackend()
+    out = backend.paged_attention(
+        case.query, case.k_cache, case.v_cache, _metadata(case, backend), case.scale, window, cap
+    )
+    _assert_matches_reference(case, out, window, cap)
+
+
+@pytest.mark.parametrize("window,cap", [(70, None), (200, 2.0)])
+def test_sliding_window_across_kv_splits_matches_reference(window, cap) -> None:
+    case = _case(*LONG_DECODES, num_heads=6, num_kv_heads=2)
+    backend = TritonBackend(FORCED_SPLITS)
+    metadata = _metadata(case, backend)
+    assert backend.launch_for(metadata, 6, 2, 64).num_splits > 1
+    out = backend.paged_attention(case.query, case.k_cache, case.v_cache, metadata, case.scale, window, cap)
+    _assert_matches_reference(case, out, window, cap)
 
 
 def test_query_may_be_a_slice_of_fused_qkv() -> None:

@@ -15,6 +15,7 @@ import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.engine.text.chat_tokens import Message, MessageTextGuard
+from pagedserve.engine.text.system_prompt import system_folded_into_first_user
 from pagedserve.engine.text.tool_template import Tool, messages_and_tools_for_template
 
 T = TypeVar("T")
@@ -73,19 +74,39 @@ def apply_chat_template(
         raise ValueError("this model's tokenizer has no chat template; use the completions API instead")
     chat_template = tokenizer.get_chat_template(tools=tools or None)  # a model may keep a template for tool use
     template_messages, template_tools = messages_and_tools_for_template(chat_template, messages, tools)
+    kwargs = check_template_kwargs(tokenizer, template_kwargs or {})
+    render = functools.partial(_render, tokenizer, tools=template_tools, template_kwargs=kwargs)
     try:
-        text = tokenizer.apply_chat_template(
-            template_messages,
-            tools=template_tools,  # type: ignore[arg-type]  # dicts of str keys are what transformers takes
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **check_template_kwargs(tokenizer, template_kwargs or {}),
-        )
+        text = render(template_messages, add_generation_prompt, continue_final_message)
     except jinja2.TemplateError as exc:  # the template's own raise_exception: a role it does not know, ...
-        raise ValueError(f"this model's chat template refused the messages: {exc}") from None
+        refused = ValueError(f"this model's chat template refused the messages: {exc}")
+        folded = system_folded_into_first_user(template_messages)  # a template with no system role (Gemma 2)
+        if folded is None:
+            raise refused from None
+        try:
+            text = render(folded, add_generation_prompt, continue_final_message)
+        except jinja2.TemplateError:
+            raise refused from None
     assert isinstance(text, str)
     return text
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[Message],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    tools: list[Tool] | None,
+    template_kwargs: TemplateKwargs,
+) -> Any:
+    return tokenizer.apply_chat_template(
+        messages,
+        tools=tools,  # type: ignore[arg-type]  # dicts of str keys are what transformers takes
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        **template_kwargs,
+    )
 
 
 def check_template_kwargs(tokenizer: PreTrainedTokenizerBase, kwargs: TemplateKwargs) -> TemplateKwargs:

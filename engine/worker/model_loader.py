@@ -18,9 +18,9 @@ from pagedserve.engine.text.tokenizer import eos_token_ids, load_tokenizer
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
 from pagedserve.engine.worker.kv_sizing import model_len_limit
 from pagedserve.engine.worker.loaded_model import LoadedModel
-from pagedserve.engine.worker.models import LlamaForCausalLM, ModelSpec, model_class
+from pagedserve.engine.worker.models import LlamaForCausalLM, ModelSpec
 from pagedserve.engine.worker.models.layers import Linear
-from pagedserve.engine.worker.models.llama import rotary_embedding
+from pagedserve.engine.worker.models.registry import build_model, rotary_tables
 from pagedserve.engine.worker.transformers_loader import choose_model_impl, load_transformers_model
 from pagedserve.engine.worker.weights.checkpoint import iter_safetensors, resolve_model_dir
 from pagedserve.engine.worker.weights.gguf import GGUFTensors, load_gguf_weights
@@ -96,11 +96,11 @@ def _gguf_model(
     model_dir, gguf_file = sources
     max_positions = model_len_limit(spec)
     with torch.device(device):
-        rotary = rotary_embedding(spec, hf_config, max_positions).to(dtype=dtype)
+        rotary = rotary_tables(spec, hf_config, max_positions).to(dtype=dtype)
     # Real tables, computed first: on the meta device torch computes through its Python reference ops, which
     # import its compiler and need a writable temporary folder (a read-only container has none).
     with torch.device("meta"):
-        model = model_class(spec)(spec, hf_config, backend, max_positions=max_positions, group=group, rotary=rotary)
+        model = build_model(spec, hf_config, backend, max_positions=max_positions, group=group, rotary=rotary)
     keeps_blocks = config.quantization in ("auto", "gguf")
     formats = _formats_multiplied_here(config, backend, device, dtype) if keeps_blocks else frozenset()
     split = None if group is None else (group.rank, group.size)
@@ -190,7 +190,7 @@ def load_model(
         _quantize_projections(config, model, None, device, dtype)
     else:
         with torch.device(device), _default_dtype(dtype):
-            model = model_class(spec)(spec, hf_config, backend, max_positions=model_len_limit(spec), group=group)
+            model = build_model(spec, hf_config, backend, max_positions=model_len_limit(spec), group=group)
         if config.load_format == "auto":
             weights = iter_safetensors(model_dir, None if group is None else model.checkpoint_slice)
             model.load_weights(weights if healthy is None else _checking(weights, healthy))

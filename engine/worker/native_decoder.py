@@ -4,7 +4,7 @@ Calling a layer's dozen kernels one by one from Python costs about as much as th
 projections are ggml blocks and the batch is a few tokens (one stream's decode step: ~0.45 ms of Python per
 layer against ~0.35 ms of kernels). The native forward runs the same kernels in the same order. It applies
 where every op it composes applies: float32 on the CPU with the native library, every projection kept in a block
-format, no q/k norms, and a step whose every query row the native attention kernel
+format, Llama layers (not Gemma's), no q/k norms, and a step whose every query row the native attention kernel
 takes (decode rows, and prefill chunks of sequences the kernel attends faster than SDPA), of at most
 MAX_TOKENS tokens, which bounds the step's scratch memory. Elsewhere the model's modules run as before.
 
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from pagedserve.engine.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from pagedserve.kernels import AttentionMetadata, RotaryAngles
 from pagedserve.kernels.backend import KernelBackend
 from pagedserve.kernels.cpu_attention import plan_attention
@@ -31,7 +32,7 @@ from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 
 if TYPE_CHECKING:
     from pagedserve.engine.worker.models.causal_lm import CausalLM
-    from pagedserve.engine.worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+    from pagedserve.engine.worker.models.llama import KVCache
 
 # The step's activations live in one scratch allocation of ~(3 hidden + qkv + 2 q + 3 intermediate) floats a
 # token: 33 KiB for SmolLM2, 200 KiB for an 8B model, so 2048 tokens take 66-400 MiB.
@@ -105,7 +106,7 @@ class CpuDecoder:
         self._function = function
         self._layers = (_Layer * spec.num_layers)(
             *(
-                _describe(cast("LlamaDecoderLayer", layer), cache)
+                _describe(cast(LlamaDecoderLayer, layer), cache)
                 for layer, cache in zip(model.layers, caches, strict=True)
             )
         )
@@ -192,8 +193,6 @@ def bind_kv_caches(model: CausalLM, caches: list[KVCache]) -> None:
     """Binds the model's layers to their caches, and chooses how its layers run: one native call where it
     applies, the model's modules elsewhere. The backend is chosen here, not in the model. (Only our own Llama
     layers have a native forward: the transformers fallback runs its modules.)"""
-    from pagedserve.engine.worker.models.llama import LlamaForCausalLM
-
     model.bind_kv_caches(caches)
     if isinstance(model, LlamaForCausalLM):
         model.native_decoder = native_decoder(model, caches)
@@ -208,6 +207,8 @@ def native_decoder(model: LlamaForCausalLM, caches: Sequence[KVCache]) -> CpuDec
 
 
 def _applies(model: LlamaForCausalLM, caches: Sequence[KVCache]) -> bool:
+    if not all(isinstance(layer, LlamaDecoderLayer) for layer in model.layers):
+        return False  # layers of another kind (Gemma's norms, windows and soft-caps): the native forward is Llama's
     if model.backend.name != "cpu" or model.group is not None or model.spec.head_dim % VECTOR_LANES != 0:
         return False  # the native forward has no collectives: one rank holds the whole model
     tensors = [t for cache in caches for t in cache] + [model.norm.weight]

@@ -44,7 +44,7 @@ int paged_decode_attention_f32(float *out, const float *query, const float *k_ca
                                const int32_t *block_tables, int64_t block_table_stride, const int32_t *context_lens,
                                const int64_t *seq_ids, const int64_t *query_rows, int64_t num_queries,
                                int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                               int num_threads);
+                               int window, float soft_cap, int num_threads);
 
 /* A projection's weight as ggml blocks: [out, in] rows of in / 32 blocks of ggml type `type`. */
 typedef struct {
@@ -172,7 +172,7 @@ static int attend(const decoder_model *m, const decoder_layer *layer, const deco
     const int status = paged_decode_attention_f32(
         s->attention, query, layer->k_cache, layer->v_cache, step->block_tables, step->block_table_stride,
         step->context_lens, step->seq_ids, step->query_rows, step->num_queries, (int)m->num_heads,
-        (int)m->num_kv_heads, (int)m->head_dim, (int)m->block_size, m->scale, threads);
+        (int)m->num_kv_heads, (int)m->head_dim, (int)m->block_size, m->scale, 0, 0.0f, threads);
     return status ? -2 : 0;
 }
 

@@ -14,7 +14,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # Phi-3, Phi-4-mini (models/phi3.py)
+    "Gemma2ForCausalLM": "gemma2",  # models/gemma.py
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",  # image and text: served as its text model, text in and out
 }
+PER_LAYER_WINDOWS = ("gemma2", "gemma3_text")  # windowed layers attend over their window (models/gemma.py)
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,14 @@ class ModelSpec:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        if family == "gemma3":
+            return _text_model_spec(cls.from_hf_config(config.text_config), config)
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         eos = config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = getattr(config, "sliding_window", None)
-        if family == "qwen2" and not getattr(config, "use_sliding_window", False):
+        if (family == "qwen2" and not getattr(config, "use_sliding_window", False)) or family in PER_LAYER_WINDOWS:
             window = None
         return cls(
             architecture=arch,
@@ -124,6 +130,13 @@ class ModelSpec:
         if self.num_kv_heads >= size:
             return rank * (self.num_kv_heads // size)
         return rank // (size // self.num_kv_heads)
+
+
+def _text_model_spec(text_spec: ModelSpec, config: Any) -> ModelSpec:
+    """An image-text model's text model, ending on the tokens the whole model's config names."""
+    eos = config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return dataclasses.replace(text_spec, eos_token_ids=eos_ids or text_spec.eos_token_ids)
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:

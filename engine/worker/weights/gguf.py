@@ -193,7 +193,7 @@ def load_gguf_weights(
         else:
             model.use_quantized({module: _placed(weight, place)})
     _load_embedding_and_head(model, tensors, formats, place, put)
-    for name, values in _float_tensors(tensors, model.spec):
+    for name, values in _float_tensors(tensors, model.spec, getattr(model, "gguf_layer_floats", LAYER_FLOATS)):
         put(name, values)
     if kept_float:
         logger.info("%d projections multiply in float: %s", len(kept_float), _grouped(kept_float))
@@ -273,11 +273,14 @@ def _projections(spec: ModelSpec) -> Iterator[tuple[str, list[tuple[str, str]]]]
             yield f"layers.{layer}.{module}", [(f"blk.{layer}.{role}.weight", role) for role in roles]
 
 
-def _float_tensors(tensors: GGUFTensors, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our float parameters besides projections and the embedding: norms, q/k norms, the q/k/v bias."""
+def _float_tensors(
+    tensors: GGUFTensors, spec: ModelSpec, layer_floats: dict[str, str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our float parameters besides projections and the embedding: norms, q/k norms (`layer_floats`: their GGUF
+    names, LAYER_FLOATS but for a model that names its own), the q/k/v bias."""
     yield "norm.weight", tensors.float("output_norm.weight")
     for layer in range(spec.num_layers):
-        for ours, theirs in LAYER_FLOATS.items():
+        for ours, theirs in layer_floats.items():
             if f"blk.{layer}.{theirs}" in tensors.tensors:
                 yield f"layers.{layer}.{ours}", tensors.float(f"blk.{layer}.{theirs}")
         if spec.qkv_bias:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.engine.worker.weights.gguf_gemma import with_gemma_settings
 from pagedserve.engine.worker.weights.gguf_phi3 import phi3_rope_config
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ def _config(gguf_file: Path) -> Any:
     values = load_gguf_checkpoint(str(gguf_file), return_tensors=False)["config"]
     if values["model_type"] == "phi3":
         values = phi3_rope_config(gguf_file, values)
+    values = with_gemma_settings(gguf_file, values)
     return CONFIG_MAPPING[values["model_type"]].from_dict(values)
 
 

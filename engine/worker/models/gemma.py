@@ -1,0 +1,214 @@
+"""Gemma 2 and Gemma 3 (text) over the paged KV cache.
+
+What sets them apart from the Llama family (llama.py), as transformers computes it:
+- sliding-window layers interleaved with global ones (`layer_types`); each layer passes its window to the kernels;
+- attention logits soft-capped (Gemma 2's `attn_logit_softcapping`; transformers' Gemma 3 ignores the setting),
+  and final logits soft-capped where `final_logit_softcapping` is set;
+- RMSNorm by (1 + weight): the checkpoint's weight plus one is stored, so the backend's norms run unchanged
+  (GGUF files store it so already); four norms a layer: before and after attention and the MLP;
+- embeddings scaled by sqrt(hidden_size), queries by query_pre_attn_scalar ** -0.5;
+- a GELU (tanh) gated MLP; Gemma 3's q/k norms and its RoPE bases per layer type (rope_local_base_freq for the
+  sliding layers).
+Every layer keeps the whole context's KV blocks (one block table for all layers): a windowed layer reads only
+its window, but its blocks before the window are not given back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from pagedserve.engine.worker.distributed.group import TensorParallelGroup
+from pagedserve.engine.worker.models.gemma_settings import (
+    NORM_SUFFIX,
+    GemmaRotary,
+    GemmaSettings,
+    text_model_name,
+)
+from pagedserve.engine.worker.models.layers import (
+    Embedding,
+    GatedMLP,
+    Linear,
+    QuantizedEmbedding,
+    RMSNorm,
+    VocabParallelEmbedding,
+    projection,
+    vocab_rows_per_rank,
+)
+from pagedserve.engine.worker.models.llama import CheckpointSlice, FusedLayers, KVCache, LlamaForCausalLM
+from pagedserve.engine.worker.models.spec import ModelSpec
+from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
+from pagedserve.kernels.device_blocks import AnyQuantizedWeight
+
+
+class GemmaAttention(nn.Module):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        settings: GemmaSettings,
+        layer: int,
+        backend: KernelBackend,
+        group: TensorParallelGroup | None,
+    ) -> None:
+        """`spec`: this rank's part of the model (ModelSpec.for_rank) when it is split over `group`."""
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.scale = settings.query_scale
+        self.sliding_window = settings.window(layer)
+        self.soft_cap = settings.attention_soft_cap
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, backend=backend)
+        self.o_proj = projection(self.q_size, spec.hidden_size, backend, group)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if settings.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if settings.qk_norm else None
+        self.backend = backend
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, angles: RotaryAngles, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.backend.rotary(angles, q, k)
+        assert self.kv_cache is not None, "bind_kv_caches() before the first forward"
+        k_cache, v_cache = self.kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = self.backend.paged_attention(
+            q, k_cache, v_cache, metadata, self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap
+        )
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class GeluGatedMLP(GatedMLP):
+    """Gemma's MLP: GELU (tanh approximation) where Llama's has SiLU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.backend.gelu_tanh_and_mul(self.gate_up_proj(x)))
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        settings: GemmaSettings,
+        layer: int,
+        backend: KernelBackend,
+        group: TensorParallelGroup | None,
+    ) -> None:
+        super().__init__()
+        self.layer_type = settings.layer_types[layer]
+        hidden, eps = spec.hidden_size, spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, backend)
+        self.self_attn = GemmaAttention(spec, settings, layer, backend, group)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, backend)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, backend)
+        self.mlp = GeluGatedMLP(hidden, spec.intermediate_size, backend, group)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, backend)
+
+    def forward(
+        self, angles: RotaryAngles, hidden: torch.Tensor, residual: torch.Tensor | None, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's normed MLP output, the residual stream before it), as LlamaDecoderLayer returns them."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm.add_and_forward(hidden, residual)
+        attended = self.post_attention_layernorm(self.self_attn(angles, hidden, metadata))
+        hidden, residual = self.pre_feedforward_layernorm.add_and_forward(attended, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 2 / Gemma 3 text. Shares Llama's loading, quantizing, tensor-parallel slicing and LM head; never runs
+    the native CPU decoder (its fused forward is a Llama layer's)."""
+
+    # our parameter in layer N -> its GGUF tensor in block N (llama.cpp's names for Gemma 2 and 3)
+    gguf_layer_floats: ClassVar[dict[str, str]] = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+    }
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        hf_config: Any,
+        backend: KernelBackend,
+        max_positions: int,
+        group: TensorParallelGroup | None = None,
+        rotary: GemmaRotary | None = None,
+    ) -> None:
+        """As LlamaForCausalLM's; `rotary`: tables built beforehand (for a model built on the meta device)."""
+        nn.Module.__init__(self)
+        self.spec = spec
+        self.settings = GemmaSettings.from_hf_config(hf_config)
+        self.group = group
+        self.rank_spec = spec.for_rank(1 if group is None else group.size)
+        self.backend = backend
+        self.rotary_by_type = rotary if rotary is not None else GemmaRotary(spec.head_dim, max_positions, hf_config)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding | QuantizedEmbedding = (
+            Embedding(spec.vocab_size, spec.hidden_size)
+            if group is None
+            else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, group)
+        )
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(self.rank_spec, self.settings, i, backend, group) for i in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        head_rows = spec.vocab_size if group is None else vocab_rows_per_rank(spec.vocab_size, group.size)
+        self.lm_head = (
+            None if spec.tie_word_embeddings else Linear(spec.hidden_size, head_rows, bias=False, backend=backend)
+        )
+        self.quantized_head: AnyQuantizedWeight | None = None
+        self.native_decoder: FusedLayers | None = None  # stays None: see native_decoder.py
+
+    def bind_kv_caches(self, caches: list[KVCache]) -> None:
+        for layer, cache in zip(self.layers, caches, strict=True):
+            assert isinstance(layer, GemmaDecoderLayer)
+            layer.self_attn.kv_cache = cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        embeddings = self.embed_tokens(input_ids)
+        # The scale rounded to the activations' dtype first, as transformers does (bfloat16: 55.5 for sqrt(3072));
+        # a Python number, so that a recorded CUDA graph holds no tensor made at capture.
+        embeddings = embeddings * _rounded(self.spec.hidden_size**0.5, embeddings.dtype)
+        angles = self.rotary_by_type.angles(positions)
+        hidden = self.backend.in_linear_output_layout(embeddings)
+        residual = None
+        for layer in self.layers:
+            assert isinstance(layer, GemmaDecoderLayer)
+            hidden, residual = layer(angles[layer.layer_type], hidden, residual, metadata)
+        assert residual is not None, "a model has at least one layer"
+        return self.norm.add_and_forward(hidden, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.settings.final_soft_cap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """transformers' checkpoint names, as Llama's (an image-text model's text model's among them); norms stored
+        as (1 + weight), what they multiply by."""
+        text_weights = ((text_model_name(name), tensor) for name, tensor in weights)
+        super().load_weights(
+            (name, tensor.float() + 1 if name.endswith(NORM_SUFFIX) else tensor)
+            for name, tensor in text_weights
+            if name is not None
+        )
+
+    def checkpoint_slice(self, hf_name: str) -> CheckpointSlice | None:
+        name = text_model_name(hf_name)
+        return None if name is None else super().checkpoint_slice(name)
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=dtype))
