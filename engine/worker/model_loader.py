@@ -18,10 +18,10 @@ from pagedserve.engine.text.tokenizer import eos_token_ids, load_tokenizer
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
 from pagedserve.engine.worker.kv_sizing import model_len_limit
 from pagedserve.engine.worker.loaded_model import LoadedModel
+from pagedserve.engine.worker.model_impl import choose_model_impl
 from pagedserve.engine.worker.models import LlamaForCausalLM, ModelSpec
 from pagedserve.engine.worker.models.layers import Linear
 from pagedserve.engine.worker.models.registry import build_model, rotary_tables
-from pagedserve.engine.worker.transformers_loader import choose_model_impl, load_transformers_model
 from pagedserve.engine.worker.weights.checkpoint import iter_safetensors, resolve_model_dir
 from pagedserve.engine.worker.weights.gguf import GGUFTensors, load_gguf_weights
 from pagedserve.engine.worker.weights.gguf_files import gguf_source, load_index
@@ -175,6 +175,8 @@ def load_model(
     if choose_model_impl(config.model_impl, hf_config) == "transformers":
         if group is not None:
             raise ValueError("the transformers fallback runs on one rank: tensor_parallel_size must be 1")
+        from pagedserve.engine.worker.transformers_loader import load_transformers_model  # only now: see model_impl
+
         return load_transformers_model(config, model_dir, hf_config, device, dtype)
     spec = ModelSpec.from_hf_config(hf_config)
     if group is not None:

@@ -27,8 +27,8 @@ from pagedserve.engine.worker.distributed.rendezvous import (
     open_master_store,
     rank_device,
 )
+from pagedserve.engine.worker.model_impl import check_fallback_splits
 from pagedserve.engine.worker.models import ModelSpec
-from pagedserve.engine.worker.transformers_loader import check_fallback_splits
 from pagedserve.engine.worker.weights.checkpoint import resolve_model_dir
 
 logger = logging.getLogger(__name__)
