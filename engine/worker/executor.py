@@ -79,6 +79,9 @@ class ModelExecutor:
     def _use_cuda_graphs(self) -> bool:
         if self.loaded.device.type != "cuda" or self.config.enforce_eager:
             return False
+        if not getattr(self.loaded.model, "records_in_cuda_graphs", True):
+            logger.info("CUDA graphs off: %s's layers cannot be recorded", self.loaded.spec.architecture)
+            return False
         if not self.loaded.backend.supports_cuda_graphs:
             logger.info("CUDA graphs off: the %s attention backend cannot be recorded", self.loaded.backend.name)
             return False

@@ -18,7 +18,7 @@ from pagedserve.engine.text.tokenizer import eos_token_ids, load_tokenizer
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
 from pagedserve.engine.worker.kv_sizing import model_len_limit
 from pagedserve.engine.worker.loaded_model import LoadedModel
-from pagedserve.engine.worker.models import LlamaForCausalLM, ModelSpec
+from pagedserve.engine.worker.models import LlamaForCausalLM, ModelSpec, model_class
 from pagedserve.engine.worker.models.layers import Linear
 from pagedserve.engine.worker.models.llama import rotary_embedding
 from pagedserve.engine.worker.weights.checkpoint import iter_safetensors, resolve_model_dir
@@ -99,7 +99,7 @@ def _gguf_model(
     # Real tables, computed first: on the meta device torch computes through its Python reference ops, which
     # import its compiler and need a writable temporary folder (a read-only container has none).
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, hf_config, backend, max_positions=max_positions, group=group, rotary=rotary)
+        model = model_class(spec)(spec, hf_config, backend, max_positions=max_positions, group=group, rotary=rotary)
     keeps_blocks = config.quantization in ("auto", "gguf")
     formats = _formats_multiplied_here(config, backend, device, dtype) if keeps_blocks else frozenset()
     split = None if group is None else (group.rank, group.size)
@@ -185,7 +185,7 @@ def load_model(
         _quantize_projections(config, model, None, device, dtype)
     else:
         with torch.device(device), _default_dtype(dtype):
-            model = LlamaForCausalLM(spec, hf_config, backend, max_positions=model_len_limit(spec), group=group)
+            model = model_class(spec)(spec, hf_config, backend, max_positions=model_len_limit(spec), group=group)
         if config.load_format == "auto":
             weights = iter_safetensors(model_dir, None if group is None else model.checkpoint_slice)
             model.load_weights(weights if healthy is None else _checking(weights, healthy))

@@ -1,0 +1,102 @@
+"""A mixture-of-experts layer's expert products, tokens grouped by expert.
+
+Each token picked `top_k` experts with a weight each (the model's router). Rather than run every expert on every
+token, or mask the batch once per expert, the flat (token, k) assignments are sorted by expert (one argsort):
+the tokens of one expert are then one run of rows, gathered once. Each expert multiplies its run through its
+gated MLP (gate/up fused, SiLU, down) with the backend's own products, float or in a block format as stored
+(kernels/quantized.py on the CPU, the Triton kernels on CUDA), and one weighted scatter-add puts the results
+back on their tokens. The only loop is over experts; an expert no token picked costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels.backend import KernelBackend
+from pagedserve.kernels.stacked_weight import ProjectionWeight
+
+ExpertWeight = torch.Tensor | ProjectionWeight  # float [out, in], or blocks as the backend placed them
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """Every expert's gated MLP: gate_up[e] is [2 * intermediate, hidden] (gate rows, then up rows), down[e] is
+    [hidden, intermediate]."""
+
+    gate_up: Sequence[ExpertWeight]
+    down: Sequence[ExpertWeight]
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_up)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """The flat (token, k) assignments sorted by expert: row i of the grouped batch is token `tokens[i]` scaled
+    by `scales[i]`, and expert e's rows are the run `bounds[e]:bounds[e + 1]`."""
+
+    tokens: torch.Tensor  # [T * k] int64
+    scales: torch.Tensor  # [T * k]
+    bounds: list[int]  # [num_experts + 1], on the host: the loop over experts reads them
+
+
+def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> ExpertGroups:
+    """Sorts the assignments topk_ids [T, k] (with their weights) by expert."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    bounds = [0, *torch.cumsum(counts, 0).tolist()]  # one device-to-host copy per layer
+    top_k = topk_ids.shape[-1]
+    return ExpertGroups(order // top_k, topk_weights.reshape(-1)[order], bounds)
+
+
+def _multiply(backend: KernelBackend, x: torch.Tensor, weight: ExpertWeight) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        return backend.linear(x, weight)
+    return backend.quantized_linear(x, weight)
+
+
+def expert_mlp(backend: KernelBackend, x: torch.Tensor, gate_up: ExpertWeight, down: ExpertWeight) -> torch.Tensor:
+    """One expert's SwiGLU on rows x [N, hidden] -> [N, hidden] (in the backend's output layout)."""
+    return _multiply(backend, backend.silu_and_mul(_multiply(backend, x, gate_up)), down)
+
+
+def grouped_expert_product(
+    backend: KernelBackend,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: ExpertWeights,
+) -> torch.Tensor:
+    """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), for x [T, hidden] -> [T, hidden]
+    token-major (x may be in either layout)."""
+    groups = group_by_expert(topk_ids, topk_weights, experts.num_experts)
+    rows = x[groups.tokens]  # the grouped batch: one gather, token-major
+    products = torch.empty_like(rows)
+    for expert, (start, stop) in enumerate(zip(groups.bounds[:-1], groups.bounds[1:], strict=True)):
+        if start < stop:
+            products[start:stop] = expert_mlp(backend, rows[start:stop], experts.gate_up[expert], experts.down[expert])
+    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    return out.index_add_(0, groups.tokens, products * groups.scales.to(products.dtype).unsqueeze(-1))
+
+
+def masked_expert_product(
+    backend: KernelBackend,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: ExpertWeights,
+) -> torch.Tensor:
+    """The same sum, one boolean mask over the batch per expert (transformers' loop): what the grouped product
+    is measured against (benchmarks/moe.py)."""
+    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    for expert in range(experts.num_experts):
+        token, slot = torch.where(topk_ids == expert)
+        if token.numel():
+            y = expert_mlp(backend, x[token], experts.gate_up[expert], experts.down[expert])
+            out.index_add_(0, token, y * topk_weights[token, slot].to(y.dtype).unsqueeze(-1))
+    return out
