@@ -4,8 +4,9 @@ Each token picked `top_k` experts with a weight each (the model's router). Rathe
 token, or mask the batch once per expert, the flat (token, k) assignments are sorted by expert (one argsort):
 the tokens of one expert are then one run of rows, gathered once. Each expert multiplies its run through its
 gated MLP (gate/up fused, SiLU, down) with the backend's own products, float or in a block format as stored
-(kernels/quantized.py on the CPU, the Triton kernels on CUDA), and one weighted scatter-add puts the results
-back on their tokens. The only loop is over experts; an expert no token picked costs nothing.
+(kernels/quantized.py on the CPU, the Triton kernels on CUDA), and the weighted results go back on their tokens
+(a scatter-add, done as a gather into (token, k) order and a sum over k). The only loop is over experts; an
+expert no token picked costs nothing.
 """
 
 from __future__ import annotations
@@ -36,22 +37,23 @@ class ExpertWeights:
 
 @dataclass(frozen=True)
 class ExpertGroups:
-    """The flat (token, k) assignments sorted by expert: row i of the grouped batch is token `tokens[i]` scaled
-    by `scales[i]`, and expert e's rows are the run `bounds[e]:bounds[e + 1]`."""
+    """The flat (token, k) assignments sorted by expert: row i of the grouped batch is token `tokens[i]`, expert
+    e's rows are the run `bounds[e]:bounds[e + 1]`, and assignment j (= token * k + slot) is grouped row
+    `positions[j]`."""
 
     tokens: torch.Tensor  # [T * k] int64
-    scales: torch.Tensor  # [T * k]
+    positions: torch.Tensor  # [T * k] int64
     bounds: list[int]  # [num_experts + 1], on the host: the loop over experts reads them
 
 
-def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> ExpertGroups:
-    """Sorts the assignments topk_ids [T, k] (with their weights) by expert."""
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertGroups:
+    """Sorts the assignments topk_ids [T, k] by expert."""
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
+    positions = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
     counts = torch.bincount(flat, minlength=num_experts)
     bounds = [0, *torch.cumsum(counts, 0).tolist()]  # one device-to-host copy per layer
-    top_k = topk_ids.shape[-1]
-    return ExpertGroups(order // top_k, topk_weights.reshape(-1)[order], bounds)
+    return ExpertGroups(order // topk_ids.shape[-1], positions, bounds)
 
 
 def _multiply(backend: KernelBackend, x: torch.Tensor, weight: ExpertWeight) -> torch.Tensor:
@@ -74,14 +76,16 @@ def grouped_expert_product(
 ) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), for x [T, hidden] -> [T, hidden]
     token-major (x may be in either layout)."""
-    groups = group_by_expert(topk_ids, topk_weights, experts.num_experts)
-    rows = x[groups.tokens]  # the grouped batch: one gather, token-major
+    groups = group_by_expert(topk_ids, experts.num_experts)
+    rows = x.index_select(0, groups.tokens)  # the grouped batch: one gather, token-major
     products = torch.empty_like(rows)
     for expert, (start, stop) in enumerate(zip(groups.bounds[:-1], groups.bounds[1:], strict=True)):
         if start < stop:
             products[start:stop] = expert_mlp(backend, rows[start:stop], experts.gate_up[expert], experts.down[expert])
-    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-    return out.index_add_(0, groups.tokens, products * groups.scales.to(products.dtype).unsqueeze(-1))
+    # Back to (token, k) order and summed over k: every token has exactly k rows, so the scatter-add back is one
+    # gather and a sum (no atomics, and a fixed order of the additions).
+    per_token = products.index_select(0, groups.positions).view(*topk_ids.shape, -1)
+    return (per_token * topk_weights.to(products.dtype).unsqueeze(-1)).sum(dim=1)
 
 
 def masked_expert_product(

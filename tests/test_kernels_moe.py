@@ -75,8 +75,7 @@ def test_block_experts_equal_the_dequantized_reference(qtype: str, tokens: int) 
 
 def test_groups_are_runs_of_one_expert() -> None:
     ids = torch.tensor([[3, 0], [0, 2], [3, 2]])
-    weights = torch.arange(6, dtype=torch.float32).reshape(3, 2)
-    groups = group_by_expert(ids, weights, num_experts=4)
+    groups = group_by_expert(ids, num_experts=4)
     assert groups.bounds == [0, 2, 2, 4, 6]  # expert 1: no rows
     assert groups.tokens.tolist() == [0, 1, 1, 2, 0, 2]
-    assert groups.scales.tolist() == [1.0, 2.0, 3.0, 5.0, 0.0, 4.0]
+    assert groups.positions.tolist() == [4, 0, 1, 2, 5, 3]  # (token 0, slot 0) is the 5th grouped row
