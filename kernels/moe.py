@@ -27,8 +27,8 @@ class ExpertWeights:
     """Every expert's gated MLP: gate_up[e] is [2 * intermediate, hidden] (gate rows, then up rows), down[e] is
     [hidden, intermediate]."""
 
-    gate_up: Sequence[ExpertWeight]
-    down: Sequence[ExpertWeight]
+    gate_up: torch.Tensor | Sequence[ExpertWeight]  # a float stack [E, 2I, hidden], or one weight per expert
+    down: torch.Tensor | Sequence[ExpertWeight]
 
     @property
     def num_experts(self) -> int:
@@ -86,6 +86,26 @@ def grouped_expert_product(
     # gather and a sum (no atomics, and a fixed order of the additions).
     per_token = products.index_select(0, groups.positions).view(*topk_ids.shape, -1)
     return (per_token * topk_weights.to(products.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+def expert_product(
+    backend: KernelBackend,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: ExpertWeights,
+) -> torch.Tensor:
+    """The layer's sum over experts on `backend`: Triton's fused kernels (kernels/triton_moe.py) for float expert
+    stacks, the grouped product with the backend's own products elsewhere (block formats, the CPU)."""
+    if (
+        backend.name == "triton"
+        and isinstance(experts.gate_up, torch.Tensor)
+        and isinstance(experts.down, torch.Tensor)
+    ):
+        from pagedserve.kernels.triton_moe import fused_expert_product  # imports triton: only where it runs
+
+        return fused_expert_product(x, topk_ids, topk_weights, experts.gate_up, experts.down)
+    return grouped_expert_product(backend, x, topk_ids, topk_weights, experts)
 
 
 def masked_expert_product(

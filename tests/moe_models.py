@@ -36,10 +36,14 @@ MOE_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
 }
 
 
-def save_moe_model(family: str, folder: Path, tokenizer_dir: Path) -> transformers.PreTrainedModel:
-    """Saves a random model of `family` with SmolLM2's tokenizer into `folder`; returns it (eval mode)."""
+def save_moe_model(family: str, folder: Path, tokenizer_dir: Path, **overrides: object) -> transformers.PreTrainedModel:
+    """Saves a random model of `family` (its config changed by `overrides`) with SmolLM2's tokenizer into
+    `folder`; returns it (eval mode)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(MOE_CONFIGS[family]()).eval()
+    config = MOE_CONFIGS[family]()
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(folder)
     transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
     return model

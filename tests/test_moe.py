@@ -9,7 +9,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig

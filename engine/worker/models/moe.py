@@ -30,7 +30,7 @@ from pagedserve.engine.worker.models.llama import (
 from pagedserve.engine.worker.models.moe_attention import WholeProjectionNormAttention
 from pagedserve.engine.worker.models.spec import ModelSpec
 from pagedserve.kernels import KernelBackend
-from pagedserve.kernels.moe import ExpertWeight, ExpertWeights, grouped_expert_product
+from pagedserve.kernels.moe import ExpertWeight, ExpertWeights, expert_product
 
 MOE_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -157,7 +157,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.backend.linear(x, self.gate.weight), self.top_k, self.renormalize)
-        out = grouped_expert_product(self.backend, x, ids, weights, self.experts.weights())
+        out = expert_product(self.backend, x, ids, weights, self.experts.weights())
         if self.group is not None:
             out = self.group.all_reduce(out)
         return self.backend.in_linear_output_layout(out)
