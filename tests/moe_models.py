@@ -18,6 +18,7 @@ COMMON = dict(
     vocab_size=49152,  # the SmolLM2 tokenizer's
     eos_token_id=2,
     bos_token_id=1,
+    initializer_range=0.1,  # experts whose outputs move the tokens (at 0.02 the residual stream decides them)
 )
 MOE_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     # layer 1 dense (mlp_only_layers), renormalised top-k, per-head q/k norms
