@@ -57,38 +57,18 @@ class MoeSpec:
     @classmethod
     def from_hf_config(cls, config: Any, architecture: str) -> MoeSpec:
         family = MOE_ARCHITECTURES[architecture]
-        layers = range(config.num_hidden_layers)
-        if family == "mixtral":
-            return cls(
-                family,
-                config.num_local_experts,
-                config.num_experts_per_tok,
-                config.intermediate_size,
-                True,
-                frozenset(layers),
-                None,
-            )
-        if family == "olmoe":
-            return cls(
-                family,
-                config.num_experts,
-                config.num_experts_per_tok,
-                config.intermediate_size,
-                bool(config.norm_topk_prob),
-                frozenset(layers),
-                config.clip_qkv,
-            )
-        step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
-        sparse = frozenset(i for i in layers if i not in dense and config.num_experts > 0 and (i + 1) % step == 0)
-        return cls(
-            family,
-            config.num_experts,
-            config.num_experts_per_tok,
-            config.moe_intermediate_size,
-            bool(config.norm_topk_prob),
-            sparse,
-            None,
-        )
+        layers = frozenset(range(config.num_hidden_layers))
+        if family == "mixtral":  # always renormalised over the top k
+            experts, width, renormalize, sparse = config.num_local_experts, config.intermediate_size, True, layers
+        elif family == "olmoe":  # norm_topk_prob: false in OLMoE's checkpoints
+            experts, width, sparse = config.num_experts, config.intermediate_size, layers
+            renormalize = bool(config.norm_topk_prob)
+        else:  # Qwen3-MoE: dense layers where mlp_only_layers or decoder_sparse_step say so
+            experts, width, renormalize = config.num_experts, config.moe_intermediate_size, bool(config.norm_topk_prob)
+            step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
+            sparse = frozenset(i for i in layers if i not in dense and experts > 0 and (i + 1) % step == 0)
+        clip = getattr(config, "clip_qkv", None) if family == "olmoe" else None
+        return cls(family, experts, config.num_experts_per_tok, width, renormalize, sparse, clip)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,11 +155,12 @@ class MoeDecoderLayer(LlamaDecoderLayer):
             else LlamaAttention(dataclasses.replace(spec, qk_norm=moe.family == "qwen3_moe"), backend, group)
         )
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
-        self.mlp: nn.Module = (
+        mlp: nn.Module = (
             SparseMoeBlock(spec.hidden_size, moe, backend, group)
             if index in moe.sparse_layers
             else GatedMLP(spec.hidden_size, spec.intermediate_size, backend, group)
         )
+        self.mlp = mlp  # type: ignore[assignment]  # experts where LlamaDecoderLayer has its GatedMLP
 
 
 class MoeForCausalLM(LlamaForCausalLM):

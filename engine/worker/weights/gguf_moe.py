@@ -67,11 +67,8 @@ class ExpertTensors:
         tensor, qtype = self.stored[role_index], self.qtypes[role_index]
         assert qtype is not None
         experts = tensor.shape[0]
-        stored, shape, part = (
-            _mapped(self.tensors.file, tensor).reshape(experts, -1),
-            tensor.shape[1:],
-            self.part(role_index),
-        )
+        stored = _mapped(self.tensors.file, tensor).reshape(experts, -1)
+        shape, part = (tensor.shape[1], tensor.shape[2]), self.part(role_index)
         return [read_shard(stored[e], qtype, shape, part) for e in range(experts)]
 
     def floats(self, role_index: int) -> torch.Tensor:
@@ -100,9 +97,9 @@ def load_gguf_experts(model: object, tensors: TensorReader, formats: frozenset[s
             gate_up: list[ExpertWeight] = [_placed_pair(g, u, place) for g, u in zip(gate, up, strict=True)]
             block.experts.use_quantized(gate_up, [place(d) for d in down])
             continue
-        gate, up, down = (experts.floats(i) for i in range(3))
-        put(f"layers.{index}.mlp.experts.gate_up_proj", torch.cat([gate, up], dim=1).flatten(0, 1))
-        put(f"layers.{index}.mlp.experts.down_proj", down.flatten(0, 1))
+        gate_floats, up_floats, down_floats = (experts.floats(i) for i in range(3))
+        put(f"layers.{index}.mlp.experts.gate_up_proj", torch.cat([gate_floats, up_floats], dim=1).flatten(0, 1))
+        put(f"layers.{index}.mlp.experts.down_proj", down_floats.flatten(0, 1))
 
 
 def _placed_pair(gate: QuantizedWeight, up: QuantizedWeight, place: Place) -> ExpertWeight:
