@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.cpu_backend import TRANSPOSED_GEMM_MAX_ROWS, CpuBackend
-from pagedserve.kernels.moe import ExpertWeights, group_by_expert, grouped_expert_product, masked_expert_product
+from pagedserve.kernels.moe import (
+    GATHER_SUM_MAX_ROWS,
+    ExpertWeights,
+    group_by_expert,
+    grouped_expert_product,
+    masked_expert_product,
+)
 from pagedserve.kernels.quantized import dequantize, quantize
 
 HIDDEN, INTER, EXPERTS, TOP_K = 256, 256, 8, 2
@@ -43,7 +49,7 @@ def per_token_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
 
 
 @pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("tokens", [1, 7, TRANSPOSED_GEMM_MAX_ROWS + 5])
+@pytest.mark.parametrize("tokens", [1, 7, GATHER_SUM_MAX_ROWS // TOP_K + 1, TRANSPOSED_GEMM_MAX_ROWS + 5])
 def test_float_experts_equal_per_token_reference(native: bool, tokens: int) -> None:
     gate_up, down = random_experts()
     x, ids, weights = random_routing(tokens)
@@ -56,7 +62,7 @@ def test_float_experts_equal_per_token_reference(native: bool, tokens: int) -> N
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k"])
-@pytest.mark.parametrize("tokens", [1, 20])
+@pytest.mark.parametrize("tokens", [1, 20, GATHER_SUM_MAX_ROWS])
 def test_block_experts_equal_the_dequantized_reference(qtype: str, tokens: int) -> None:
     gate_up, down = random_experts()
     blocks_gate_up = [quantize(w, qtype) for w in gate_up]
@@ -75,7 +81,9 @@ def test_block_experts_equal_the_dequantized_reference(qtype: str, tokens: int) 
 
 def test_groups_are_runs_of_one_expert() -> None:
     ids = torch.tensor([[3, 0], [0, 2], [3, 2]])
-    groups = group_by_expert(ids, num_experts=4)
-    assert groups.bounds == [0, 2, 2, 4, 6]  # expert 1: no rows
+    weights = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    groups = group_by_expert(ids, weights, num_experts=4)
+    assert groups.bounds == [0, 2, 2, 4, 6] and groups.runs() == [(0, 0, 2), (2, 2, 4), (3, 4, 6)]  # 1: no rows
     assert groups.tokens.tolist() == [0, 1, 1, 2, 0, 2]
+    assert groups.scales.tolist() == [1.0, 2.0, 3.0, 5.0, 0.0, 4.0]
     assert groups.positions.tolist() == [4, 0, 1, 2, 5, 3]  # (token 0, slot 0) is the 5th grouped row

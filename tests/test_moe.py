@@ -46,6 +46,19 @@ def test_layers_route_through_experts(family) -> None:
     assert blocks == ([True, False] if name == "qwen3_moe" else [True, True])  # Qwen3-MoE: mlp_only_layers=[1]
 
 
+def test_attention_quantized_on_load_runs_on_the_modules_not_the_native_decoder(family) -> None:
+    """q8_0 on load: the attention in blocks, the experts float. Mixtral's layers (no q/k norm) would otherwise
+    be offered to the native CPU decoder, which has no routed layer."""
+    _, folder, reference = family
+    config = EngineConfig(model=str(folder), quantization="q8_0", num_kv_blocks=32, engine_process=False)
+    loaded = load_model(config)
+    assert loaded.model.layers[0].self_attn.qkv_proj.quantized is not None
+    with LLM.from_config(config, loaded) as llm:
+        got = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert loaded.model.native_decoder is None
+    assert len(got) == MAX_TOKENS and got[:2] == reference[0][:2]  # q8_0 moves later tokens of a random model
+
+
 def test_engine_with_chunks_preemption_and_prefix_hit_matches_transformers(family) -> None:
     _, folder, reference = family
     engine = LLMEngine(EngineConfig(model=str(folder), activation_dtype="float32", **TIGHT))
