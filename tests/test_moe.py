@@ -9,12 +9,15 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
+import transformers
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.worker.model_loader import load_model
 from pagedserve.engine.worker.models.moe import SparseMoeBlock
+from pagedserve.kernels.quantized import dequantize, quantize
 from pagedserve.server import ServerSettings
 from tests.moe_models import MOE_CONFIGS, greedy_reference, save_moe_model
 from tests.servers import served_engine
@@ -47,8 +50,8 @@ def test_layers_route_through_experts(family) -> None:
 
 
 def test_attention_quantized_on_load_runs_on_the_modules_not_the_native_decoder(family) -> None:
-    """q8_0 on load: the attention in blocks, the experts float. Mixtral's layers (no q/k norm) would otherwise
-    be offered to the native CPU decoder, which has no routed layer."""
+    """q8_0 on load. Mixtral's layers (no q/k norm, projections in blocks) would otherwise be offered to the
+    native CPU decoder, which has no routed layer."""
     _, folder, reference = family
     config = EngineConfig(model=str(folder), quantization="q8_0", num_kv_blocks=32, engine_process=False)
     loaded = load_model(config)
@@ -57,6 +60,29 @@ def test_attention_quantized_on_load_runs_on_the_modules_not_the_native_decoder(
         got = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert loaded.model.native_decoder is None
     assert len(got) == MAX_TOKENS and got[:2] == reference[0][:2]  # q8_0 moves later tokens of a random model
+
+
+def test_experts_quantized_on_load_match_transformers_on_the_dequantized_weights(family, tmp_path) -> None:
+    """q8_0 on load: every projection and expert in blocks (the router float); tokens equal transformers' on the
+    weights those blocks dequantize to."""
+    _, folder, _ = family
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if weight.dim() >= 2 and "embed_tokens" not in name and not name.endswith("mlp.gate.weight"):
+                weight.copy_(
+                    torch.stack([dequantize(quantize(w, "q8_0")) for w in weight.view(-1, *weight.shape[-2:])]).view_as(
+                        weight
+                    )
+                )
+    expected = greedy_reference(model, PROMPTS[:2], MAX_TOKENS)
+    config = EngineConfig(model=str(folder), quantization="q8_0", num_kv_blocks=32, engine_process=False)
+    loaded = load_model(config)
+    experts = loaded.model.layers[0].mlp.experts
+    assert experts.quantized is not None and experts.quantized.down[0].qtype == "q8_0"
+    with LLM.from_config(config, loaded) as llm:
+        got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+    assert got == expected
 
 
 def test_engine_with_chunks_preemption_and_prefix_hit_matches_transformers(family) -> None:

@@ -42,6 +42,14 @@ def test_split_experts_match_the_whole_model(
     assert_same(expected, run_alone(split, workload))
 
 
+def test_experts_quantized_on_load_split_match_one_rank(tmp_path: Path, smol_dir: Path) -> None:
+    """q8_0 on load: each rank quantizes its 32 of every expert's 64 columns of down: the whole model's blocks."""
+    save_moe_model("qwen3_moe", tmp_path, smol_dir)
+    settings = dict(TIGHT, quantization="q8_0", activation_dtype="float32")
+    expected = run_alone(engine_for(tmp_path, 1, **settings), workload)
+    assert_same(expected, run_alone(engine_for(tmp_path, 2, **settings), workload))
+
+
 def test_gguf_experts_split_as_blocks_match_one_rank(tmp_path: Path, smol_dir: Path, monkeypatch) -> None:
     """Each rank reads every expert's 32 of 64 rows (gate/up) and columns (down): whole Q8_0 blocks."""
     path = tmp_path / "tiny-qwen3moe-q8_0.gguf"
