@@ -34,9 +34,11 @@ def quantize_experts_on_load(model: object, qtype: str, formats: frozenset[str],
         return 0
     stored = 0
     for stack in stacks:
-        weights = stack.weights()
-        gate_up = [place(quantize(weight.float().cpu(), qtype)) for weight in weights.gate_up]
-        down = [place(quantize(weight.float().cpu(), qtype)) for weight in weights.down]
+        experts, hidden, width = stack.num_experts, stack.hidden_size, stack.intermediate_size
+        float_gate_up = stack.gate_up_proj.detach().float().cpu().view(experts, 2 * width, hidden)
+        float_down = stack.down_proj.detach().float().cpu().view(experts, hidden, width)
+        gate_up = [place(quantize(weight, qtype)) for weight in float_gate_up]
+        down = [place(quantize(weight, qtype)) for weight in float_down]
         stack.use_quantized(gate_up, down)
         stored += sum(weight.nbytes for weight in [*gate_up, *down])
     return stored
