@@ -55,10 +55,12 @@ def save_model(folder: Path, layers: int) -> None:
     transformers.AutoTokenizer.from_pretrained(gguf_model_dir(embedded_gguf_path())).save_pretrained(folder)
 
 
-def tokens_per_second(folder: Path, streams: int, requests: int, output_len: int, device: str) -> float:
+def tokens_per_second(
+    folder: Path, streams: int, requests: int, output_len: int, device: str, quantization: str
+) -> float:
     prompts = [list(range(1000 + 97 * i, 1100 + 97 * i)) for i in range(requests)]
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    with LLM(model=str(folder), max_num_seqs=streams, device=device) as llm:
+    with LLM(model=str(folder), max_num_seqs=streams, device=device, quantization=quantization) as llm:
         llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -105,23 +107,30 @@ def expert_layer_table(device: str, dtype: torch.dtype, token_counts: list[int],
         print(f"| {tokens} | {grouped:.3f} | {masked:.3f} | {masked / grouped:.2f}x |")
 
 
+def serving_table(layers: int, requests: int, output_len: int, device: str, quantization: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        save_model(folder, layers)
+        shape = f"{layers} layers, {requests} requests of 100 + {output_len} tokens"
+        print(f"random Qwen3-MoE, {shape}, {device}, quantization {quantization}:")
+        print("| streams | output tok/s |\n|---:|---:|")
+        for streams in (1, 8):
+            rate = tokens_per_second(folder, streams, requests, output_len, device, quantization)
+            print(f"| {streams} | {rate:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--layer-only", action="store_true", help="only (2), the expert layer")
+    parser.add_argument("--quantization", default="none", help="(1)'s weights: none, or a block format on load")
     args = parser.parse_args()
     device = args.device
     layers, requests, output_len = (2, 8, 16) if args.quick else (MODEL["num_hidden_layers"], 16, args.output_len)
     if not args.layer_only:
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = Path(tmp)
-            save_model(folder, layers)
-            print(f"random Qwen3-MoE, {layers} layers, {requests} requests of 100 + {output_len} tokens, {device}:")
-            print("| streams | output tok/s |\n|---:|---:|")
-            for streams in (1, 8):
-                print(f"| {streams} | {tokens_per_second(folder, streams, requests, output_len, device):.1f} |")
+        serving_table(layers, requests, output_len, device, args.quantization)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     counts = [1, 8, 64] if args.quick else [1, 8, 64, 512, 2048]
     expert_layer_table(device, dtype, counts, repeats=3 if args.quick else 20)
