@@ -12,6 +12,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$rep
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$report_dir/gpu.txt"
 
 timeout 240 python -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_engine_gpu.py 2>&1 | tail -20 | tee "$report_dir/gpu_tests.txt"
+timeout 90 python -m pytest -q tests/test_kernels_triton_moe.py 2>&1 | tail -5 | tee "$report_dir/moe_tests.txt"
+timeout 150 python -m benchmarks.moe --device cuda --quick 2>&1 | tee "$report_dir/moe.txt"
 timeout 180 python -m benchmarks.kernels --json "$report_dir/kernels.json" 2>&1 | tee "$report_dir/kernels.txt"
 timeout 300 python -m benchmarks.gpu_throughput --json "$report_dir/throughput.json" 2>&1 | tee "$report_dir/throughput.txt"
 # TP=2 against TP=1 only where CUDA sees two GPUs (CUDA_VISIBLE_DEVICES and MIG included, as the engine would):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -291,3 +293,10 @@ def test_a_sliding_window_caps_requests_at_the_window(model_dir: Callable[[str],
 def test_attention_soft_capping_is_refused(model_dir: Callable[[str], Path]) -> None:
     with pytest.raises(ValueError, match="uses softcap in attention"):
         load(model_dir("gemma2-softcap"), model_impl="transformers")
+
+
+def test_serving_a_native_model_never_imports_transformers_modeling() -> None:
+    """transformers' modeling modules import torch's compiler, which needs a writable temporary folder that a
+    read-only container lacks: only the fallback may load them."""
+    check = "import sys, pagedserve.engine.worker.executor; sys.exit('transformers.modeling_utils' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", check], timeout=120).returncode == 0

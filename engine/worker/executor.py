@@ -23,7 +23,6 @@ from pagedserve.engine.worker.kv_sizing import KVCachePlan, plan_kv_cache
 from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.model_loader import load_model, resolve_device
 from pagedserve.engine.worker.model_runner import ModelRunner
-from pagedserve.engine.worker.models.transformers_fallback import TransformersForCausalLM
 from pagedserve.engine.worker.native_decoder import use_activation_dtype
 
 logger = logging.getLogger(__name__)
@@ -80,8 +79,8 @@ class ModelExecutor:
     def _use_cuda_graphs(self) -> bool:
         if self.loaded.device.type != "cuda" or self.config.enforce_eager:
             return False
-        if isinstance(self.loaded.model, TransformersForCausalLM):  # not yet recorded and replayed on a GPU
-            logger.info("CUDA graphs off: the transformers fallback runs eagerly")
+        if not getattr(self.loaded.model, "records_in_cuda_graphs", True):
+            logger.info("CUDA graphs off: %s's layers cannot be recorded", self.loaded.spec.architecture)
             return False
         if not self.loaded.backend.supports_cuda_graphs:
             logger.info("CUDA graphs off: the %s attention backend cannot be recorded", self.loaded.backend.name)

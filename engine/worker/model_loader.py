@@ -25,6 +25,7 @@ from pagedserve.engine.worker.models.registry import build_model, rotary_tables
 from pagedserve.engine.worker.weights.checkpoint import iter_safetensors, resolve_model_dir
 from pagedserve.engine.worker.weights.gguf import GGUFTensors, load_gguf_weights
 from pagedserve.engine.worker.weights.gguf_files import gguf_source, load_index
+from pagedserve.engine.worker.weights.moe_quantization import quantize_experts_on_load
 from pagedserve.engine.worker.weights.on_load_quantization import quantized_on_load
 from pagedserve.kernels import KernelBackend, get_backend
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
@@ -75,8 +76,11 @@ def _quantize_projections(
     weights = quantized_on_load(model, config.quantization, checkpoint)
     placed = _placed(model.backend, weights, formats, device)
     model.use_quantized(placed)
+    experts = quantize_experts_on_load(
+        model, config.quantization, formats, lambda weight: model.backend.place_quantized(weight, device)
+    )
     release_freed_memory()  # the float copies just dropped
-    stored = sum(weight.nbytes for weight in placed.values())
+    stored = sum(weight.nbytes for weight in placed.values()) + experts
     logger.info("%d projections multiply in block formats on %s (%.0f MiB)", len(placed), device, stored / 2**20)
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from pagedserve.engine.worker.models.layers import GatedMLP
 from pagedserve.engine.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from pagedserve.kernels import AttentionMetadata, RotaryAngles
 from pagedserve.kernels.backend import KernelBackend
@@ -218,6 +219,8 @@ def _applies(model: LlamaForCausalLM, caches: Sequence[KVCache]) -> bool:
 
 
 def _layer_applies(layer: torch.nn.Module) -> bool:
+    if not isinstance(getattr(layer, "mlp", None), GatedMLP):
+        return False  # experts (models/moe.py): the native forward has no routed layer
     attention = _attention(layer)
     if attention.q_norm is not None:
         return False

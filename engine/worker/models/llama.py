@@ -123,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
             if group is None
             else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, group)
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(self.rank_spec, backend, group) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(index) for index in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         head_rows = spec.vocab_size if group is None else vocab_rows_per_rank(spec.vocab_size, group.size)
         self.lm_head = (
@@ -133,6 +133,15 @@ class LlamaForCausalLM(nn.Module):
         # The layers as one call, where the backend has one for this model (the worker sets it: the native
         # CPU decoder); None runs the layers' modules.
         self.native_decoder: FusedLayers | None = None
+
+    def decoder_layer(self, index: int) -> nn.Module:
+        """Layer `index`, for this rank (a subclass builds other layers: models/moe.py)."""
+        return LlamaDecoderLayer(self.rank_spec, self.backend, self.group)
+
+    def weight_target(self, hf_name: str) -> tuple[str, tuple[int, int] | None] | None:
+        """transformers' tensor name -> (our parameter, row range inside a fused parameter or None), or None to
+        skip it."""
+        return _map_weight_name(hf_name, self.rank_spec)
 
     def bind_kv_caches(self, caches: list[KVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
@@ -202,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         rows_loaded = dict.fromkeys(params, 0)
         for hf_name, tensor in weights:
-            target = _map_weight_name(hf_name, self.rank_spec)
+            target = self.weight_target(hf_name)
             if target is None:
                 continue
             name, rows = target

@@ -11,13 +11,17 @@ from pagedserve.engine.worker.models.gemma import GemmaForCausalLM
 from pagedserve.engine.worker.models.gemma_settings import GEMMA_ARCHITECTURES, GemmaRotary
 from pagedserve.engine.worker.models.layers import RotaryEmbedding
 from pagedserve.engine.worker.models.llama import LlamaForCausalLM, rotary_embedding
+from pagedserve.engine.worker.models.moe import MOE_ARCHITECTURES, MoeForCausalLM
 from pagedserve.engine.worker.models.phi3 import Phi3ForCausalLM
 from pagedserve.engine.worker.models.spec import ModelSpec
 from pagedserve.kernels import KernelBackend
 
 # The class of each architecture whose layers differ from Llama's in more than the spec says (Gemma's take
 # rotary tables of their own, below).
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"Phi3ForCausalLM": Phi3ForCausalLM}
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    **dict.fromkeys(MOE_ARCHITECTURES, MoeForCausalLM),
+}
 
 
 def rotary_tables(spec: ModelSpec, hf_config: Any, max_positions: int) -> nn.Module:

@@ -17,6 +17,10 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",  # models/gemma.py
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma3ForConditionalGeneration": "gemma3",  # image and text: served as its text model, text in and out
+    # mixtures of experts (models/moe.py)
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
 }
 PER_LAYER_WINDOWS = ("gemma2", "gemma3_text")  # windowed layers attend over their window (models/gemma.py)
 

@@ -36,6 +36,8 @@ DEFAULT_MAX_POSITIONS = 2048  # for configs that name no context length
 class TransformersForCausalLM(nn.Module):
     """A transformers causal LM behind the interface the runner, the CUDA graphs and the KV sizing use."""
 
+    records_in_cuda_graphs = False  # runs eagerly: not yet recorded and replayed on a GPU
+
     def __init__(self, hf_model: PreTrainedModel, backend: KernelBackend, eos_token_ids: tuple[int, ...]) -> None:
         super().__init__()
         if hf_model.base_model is hf_model:

@@ -35,6 +35,7 @@ from pagedserve.engine.worker.models.llama import rank_slice
 from pagedserve.engine.worker.models.phi3 import fused_row_order
 from pagedserve.engine.worker.weights.block_shards import CheckpointSlice, on_block_boundaries, read_shard
 from pagedserve.engine.worker.weights.gguf_files import StoredTensor, TensorIndex
+from pagedserve.engine.worker.weights.gguf_moe import load_gguf_experts
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.quantized import FORMATS, QuantizedWeight
 from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
@@ -184,7 +185,7 @@ def load_gguf_weights(
 
     kept_float: dict[str, str] = {}  # module -> its parts' types, where the backend multiplies none of them here
     off_blocks: dict[str, str] = {}  # module -> its type, where a rank's input columns split its blocks
-    for module, parts in _projections(model.spec):
+    for module, parts in _projections(model):
         weight = _blocks_of(tensors, parts, formats)
         if isinstance(weight, str):
             type_names = "+".join(dict.fromkeys(_type_name(tensors.get(n)) for n, _ in parts))
@@ -193,6 +194,7 @@ def load_gguf_weights(
         else:
             model.use_quantized({module: _placed(weight, place)})
     _load_embedding_and_head(model, tensors, formats, place, put)
+    load_gguf_experts(model, tensors, formats, place, put)
     for name, values in _float_tensors(tensors, model.spec, getattr(model, "gguf_layer_floats", LAYER_FLOATS)):
         put(name, values)
     if kept_float:
@@ -265,12 +267,15 @@ def _load_embedding_and_head(
         model.use_quantized({"lm_head": _placed(head, place)})
 
 
-def _projections(spec: ModelSpec) -> Iterator[tuple[str, list[tuple[str, str]]]]:
-    """Each of our projections with the GGUF tensors (name, role) stacked into it, in order."""
-    fused = PHI3_FUSED if spec.architecture == "Phi3ForCausalLM" else FUSED
-    for layer in range(spec.num_layers):
+def _projections(model: LlamaForCausalLM) -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    """Each of our projections with the GGUF tensors (name, role) stacked into it, in order (a layer of experts
+    has no dense MLP: weights/gguf_moe.py reads it)."""
+    modules = dict(model.named_modules())
+    fused = PHI3_FUSED if model.spec.architecture == "Phi3ForCausalLM" else FUSED
+    for layer in range(model.spec.num_layers):
         for module, roles in fused.items():
-            yield f"layers.{layer}.{module}", [(f"blk.{layer}.{role}.weight", role) for role in roles]
+            if f"layers.{layer}.{module}" in modules:
+                yield f"layers.{layer}.{module}", [(f"blk.{layer}.{role}.weight", role) for role in roles]
 
 
 def _float_tensors(

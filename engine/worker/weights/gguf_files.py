@@ -170,14 +170,23 @@ def _write_metadata(gguf_file: Path, folder: Path) -> None:
     architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     if architecture is not None:  # GGUF configs lack it; other tools (transformers serve) need it
         config.architectures = [architecture]
+    index = read_index(gguf_file)
+    _experts_width(config, index)
     config.save_pretrained(folder)
     GenerationConfig.from_model_config(config).save_pretrained(folder)
     _tokenizer(gguf_file).save_pretrained(folder)
-    index = read_index(gguf_file)
     tensors = [[t.name, t.ggml_type, list(t.dims), t.offset, t.nbytes] for t in index.tensors.values()]
     document = {"architecture": index.architecture, "file_size": gguf_file.stat().st_size, "tensors": tensors}
     (folder / INDEX_FILE).write_text(json.dumps(document))
     (folder / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf_file.resolve())}))
+
+
+def _experts_width(config: Any, index: TensorIndex) -> None:
+    """A qwen3moe file's expert width, which transformers' GGUF config leaves at its default: read from the
+    experts' shape [experts, width, hidden]."""
+    experts = index.tensors.get("blk.0.ffn_gate_exps.weight")
+    if experts is not None and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = experts.shape[1]
 
 
 def _config(gguf_file: Path) -> Any:

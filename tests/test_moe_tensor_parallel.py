@@ -1,0 +1,61 @@
+"""Mixture-of-experts models split over tensor-parallel ranks (gloo, on the CPU): every rank holds every
+expert's slice of the intermediate width, and TP=N gives TP=1's tokens and logprobs (chunked prefill,
+preemption, prompt logprobs, n > 1 and prefix-cache hits in the mix); a GGUF's experts shard as blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.moe_models import save_moe_model
+from tests.test_moe_gguf import write_gguf
+from tests.test_tensor_parallel import (
+    GREEDY,
+    TIGHT,
+    assert_same,
+    engine_for,
+    no_rank_left_behind,  # noqa: F401 (the autouse fixture: no rank outlives its engine)
+    run,
+    run_alone,
+    workload,
+)
+
+
+@pytest.mark.parametrize(
+    ("family", "size"),
+    [
+        ("qwen3_moe", 2),  # a dense layer beside the experts; per-head q/k norms
+        ("mixtral", 2),
+        ("olmoe", 2),  # q/k norms over the whole projections: their sums of squares all-reduced
+        pytest.param("olmoe", 4, marks=pytest.mark.slow),  # 2 KV heads over 4 ranks: each replicated twice
+    ],
+)
+def test_split_experts_match_the_whole_model(
+    family: str, size: int, tmp_path_factory: pytest.TempPathFactory, smol_dir: Path
+) -> None:
+    folder = tmp_path_factory.mktemp(family)
+    save_moe_model(family, folder, smol_dir)
+    expected = run_alone(engine_for(folder, 1, **TIGHT), workload)
+    split = engine_for(folder, size, **TIGHT)
+    assert split.collect_stats().tensor_parallel_size == size
+    assert_same(expected, run_alone(split, workload))
+
+
+def test_experts_quantized_on_load_split_match_one_rank(tmp_path: Path, smol_dir: Path) -> None:
+    """q8_0 on load: each rank quantizes its 32 of every expert's 64 columns of down: the whole model's blocks."""
+    save_moe_model("qwen3_moe", tmp_path, smol_dir)
+    settings = dict(TIGHT, quantization="q8_0", activation_dtype="float32")
+    expected = run_alone(engine_for(tmp_path, 1, **settings), workload)
+    assert_same(expected, run_alone(engine_for(tmp_path, 2, **settings), workload))
+
+
+def test_gguf_experts_split_as_blocks_match_one_rank(tmp_path: Path, smol_dir: Path, monkeypatch) -> None:
+    """Each rank reads every expert's 32 of 64 rows (gate/up) and columns (down): whole Q8_0 blocks."""
+    path = tmp_path / "tiny-qwen3moe-q8_0.gguf"
+    write_gguf(path, smol_dir)
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    requests = {"a": (list(range(200, 230)), GREEDY), "b": (list(range(500, 507)), GREEDY)}
+    settings = dict(quantization="gguf", activation_dtype="float32")
+    expected = run_alone(engine_for(path, 1, **settings), lambda engine: run(engine, requests))
+    assert_same(expected, run_alone(engine_for(path, 2, **settings), lambda engine: run(engine, requests)))
