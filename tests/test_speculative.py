@@ -296,6 +296,15 @@ def test_the_request_field_reaches_the_sampling_params() -> None:
     assert CompletionRequest(model="m", prompt="Hi").sampling_params().speculative is None
 
 
+def test_the_responses_api_takes_the_request_field_too() -> None:
+    from pagedserve.server.responses.protocol import ResponsesRequest
+
+    for given in (False, True, None):
+        body = {"model": "m", "input": "Hi"} | ({} if given is None else {"speculative": given})
+        request = ResponsesRequest.model_validate(body)
+        assert request.sampling_params(request.tool_plan("hermes")).speculative is given
+
+
 def test_metrics_export_the_counters_as_vllm_names_them() -> None:
     from pagedserve.engine.core.messages import EngineSnapshot
     from pagedserve.server.metrics import ServerMetrics
