@@ -13,6 +13,7 @@ from pagedserve.engine.worker.kv_caches import allocate_kv_caches
 from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.model_loader import load_model
 from pagedserve.engine.worker.model_runner import ModelRunner
+from pagedserve.engine.worker.native_decoder import use_activation_dtype
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -35,5 +36,9 @@ def load_draft_runner(
     assert config.draft_model is not None
     draft = load_model(config.replace(model=config.draft_model, tokenizer=None, tensor_parallel_size=1))
     check_same_vocabulary(target, draft)
+    # The target verifies k + 1 rows at once, a step long enough to multiply float32 activations whatever
+    # activation_dtype says (kernels/quantized.py: INT8_MAX_TOKENS); a draft multiplying the same way proposes
+    # what the verification computes (the target as its own draft: every proposal accepted).
+    use_activation_dtype(draft.backend, "float32")
     caches = allocate_kv_caches(draft.rank_spec, num_blocks, block_tables.block_size, draft.dtype, draft.device)
     return draft, ModelRunner(draft.model, draft.backend, block_tables, caches, draft.device)
