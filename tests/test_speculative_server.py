@@ -15,6 +15,8 @@ from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings
 from tests.servers import running_engine, serving
 
+pytestmark = pytest.mark.slow  # ~1.5 minutes a method on two shared CPU cores: 64 prompts, four times
+
 MODEL = "smol"
 MAX_TOKENS = 16
 TOPICS = ["the sea", "a lighthouse", "bread", "winter", "a red bicycle", "the moon", "tea", "an old clock"]
