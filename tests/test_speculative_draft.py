@@ -156,3 +156,16 @@ def test_the_quantized_gguf_as_its_own_draft_accepts_every_proposal() -> None:
         llm.chat(messages, params, use_tqdm=False)
         stats = llm.stats().speculation
     assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_serve_takes_the_draft_flags() -> None:
+    from pagedserve.server import cli
+    from pagedserve.server.engine_args import engine_config
+
+    argv = ["serve", "--speculative-method", "draft", "--draft-model", "/models/small", "--num-speculative-tokens", "5"]
+    config = engine_config(cli.build_parser().parse_args(argv))
+    assert (config.speculative_method, config.draft_model, config.num_speculative_tokens) == (
+        "draft",
+        "/models/small",
+        5,
+    )
