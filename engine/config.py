@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 ACTIVATION_DTYPES = ("auto", "float32", "int8", "int16")
 MODEL_IMPLS = ("auto", "native", "transformers")
@@ -61,10 +61,11 @@ class EngineConfig:
     jump_forward: bool = True  # tokens a constraint forces on greedy requests are appended without a forward each
 
     # Speculative decoding
-    speculative_method: str | None = None  # ngram: propose what followed the last n tokens earlier on (None: off)
+    speculative_method: str | None = None  # ngram: what followed the last n tokens; draft: --draft-model's (None: off)
     num_speculative_tokens: int = 4  # k: tokens proposed, and verified in one forward, per sequence and step
     ngram_min: int = 2  # the shortest n-gram matched
     ngram_max: int = 4  # the longest n-gram matched (tried first)
+    draft_model: str | None = None  # the draft method's model (a folder or .gguf sharing the target's vocabulary)
     speculative_default: bool = True  # whether requests that leave `speculative` unset speculate
 
     # Execution
@@ -111,6 +112,11 @@ class EngineConfig:
             (1 <= self.num_speculative_tokens <= 32, "num_speculative_tokens", "in [1, 32]"),
             (self.ngram_min >= 1, "ngram_min", ">= 1"),
             (self.ngram_max >= self.ngram_min, "ngram_max", ">= ngram_min"),
+            (
+                (self.speculative_method == "draft") == (self.draft_model is not None),
+                "draft_model",
+                "given exactly when speculative_method is 'draft'",
+            ),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -19,6 +19,7 @@ from pagedserve.engine.worker.model_loader import LoadedModel, load_model
 from tests.conftest import TINY_COMMON
 
 SPECULATIVE = dict(speculative_method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
+DRAFT = dict(speculative_method="draft", num_speculative_tokens=3)
 
 
 def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix() -> None:
@@ -234,9 +235,11 @@ def tiny_vocab_loaded(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) 
     return load_model(EngineConfig(model=str(folder)))
 
 
-def test_sampling_distribution_is_unchanged_by_speculation(tiny_vocab_loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampling_distribution_is_unchanged_by_speculation(tiny_vocab_loaded: LoadedModel, method: str) -> None:
     """Temperature 1, top-p 0.9: the joint distribution of the first four tokens, over many seeded requests,
-    is the same with and without speculation (a two-sample chi-square test), and so is each position's."""
+    is the same with and without speculation (a two-sample chi-square test), and so is each position's; with
+    n-gram proposals and with a draft model's (greedy: a point mass, as the verification assumes)."""
     prompt = [0, 1, 2, 3, 4, 5, 6] * 3  # every token recurs: every decoding step has a proposal
     num_requests = 3000
     params = [
@@ -245,7 +248,10 @@ def test_sampling_distribution_is_unchanged_by_speculation(tiny_vocab_loaded: Lo
     ]
     config = dict(num_kv_blocks=1024, max_num_seqs=256, max_num_batched_tokens=2048, max_queue_len=4096)
     plain = generate(make_engine(tiny_vocab_loaded, **config), [prompt] * num_requests, params)
-    engine = make_engine(tiny_vocab_loaded, **config, **SPECULATIVE)
+    # The target as its own draft proposes its most likely tokens: accepted with their probability, at top-p 0.9
+    # often rejected too.
+    proposer = SPECULATIVE if method == "ngram" else DRAFT | {"draft_model": str(tiny_vocab_loaded.model_dir)}
+    engine = make_engine(tiny_vocab_loaded, **config, **proposer)
     speculative = generate(engine, [prompt] * num_requests, params)
     stats = engine.collect_stats().speculation
     assert stats.num_accepted_tokens > num_requests and stats.num_draft_tokens > stats.num_accepted_tokens
@@ -288,6 +294,15 @@ def test_the_request_field_reaches_the_sampling_params() -> None:
 
     assert CompletionRequest(model="m", prompt="Hi", speculative=False).sampling_params().speculative is False
     assert CompletionRequest(model="m", prompt="Hi").sampling_params().speculative is None
+
+
+def test_the_responses_api_takes_the_request_field_too() -> None:
+    from pagedserve.server.responses.protocol import ResponsesRequest
+
+    for given in (False, True, None):
+        body = {"model": "m", "input": "Hi"} | ({} if given is None else {"speculative": given})
+        request = ResponsesRequest.model_validate(body)
+        assert request.sampling_params(request.tool_plan("hermes")).speculative is given
 
 
 def test_metrics_export_the_counters_as_vllm_names_them() -> None:

@@ -14,11 +14,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.engine import EngineConfig
 from pagedserve.engine.client.async_engine import AsyncEngine
+from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.cli import build_parser
 from tests.background import BackgroundServer
 from tests.browser import Browser, require_chromium
-from tests.servers import engine_and_url, serving
+from tests.servers import engine_and_url, running_engine, serving
 
 MODEL = "smol"
 WEB = Path(__file__).resolve().parents[1] / "server" / "web"
@@ -181,6 +182,33 @@ def test_the_status_view_shows_a_request_in_flight(browser: Browser, url: str) -
     wait_until_idle(url)
     browser.click("#tab-status")
     browser.wait_for("document.getElementById('running').textContent === '0'", timeout=5)
+    assert not browser.page_errors()
+
+
+@pytest.mark.browser
+def test_the_status_view_shows_speculation_only_when_it_is_on(
+    browser: Browser, url: str, smol_loaded: LoadedModel
+) -> None:
+    browser.goto(url)
+    browser.click("#tab-status")
+    browser.wait_for("document.getElementById('running').textContent !== '–'")
+    assert browser.evaluate("document.getElementById('card-spec-acceptance').hidden")
+    speculating = EngineConfig(num_kv_blocks=256, max_num_seqs=4, speculative_method="ngram", ngram_min=1)
+    with running_engine(speculating, smol_loaded) as engine, serving(engine, ServerSettings([MODEL])) as spec_url:
+        browser.goto(spec_url)
+        browser.click("#tab-status")
+        browser.wait_for("document.getElementById('running').textContent !== '–'")
+        sentence = "The old lighthouse keeper painted seven blue boats before the autumn storms reached the harbour."
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Repeat this sentence exactly, nothing else: {sentence}"}],
+            "max_tokens": 30,
+            "temperature": 0,
+        }
+        assert httpx.post(f"{spec_url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        browser.wait_for("!document.getElementById('card-spec-acceptance').hidden")
+        browser.wait_for("document.getElementById('spec-acceptance').textContent.endsWith('%')")
+        assert float(browser.text("#spec-accepted-per-draft")) > 0
     assert not browser.page_errors()
 
 

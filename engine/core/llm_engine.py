@@ -13,7 +13,7 @@ import torch
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.messages import EngineSnapshot
 from pagedserve.engine.core.sampler import Sampler
-from pagedserve.engine.core.speculator import SpeculationStats, Speculator, split_rows
+from pagedserve.engine.core.speculator import SpeculationStats, Speculator, make_proposer, split_rows
 from pagedserve.engine.outputs import PromptLogprobs, RequestMetrics, SequenceDelta, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduling.kv_cache_manager import KVCacheManager
@@ -88,10 +88,12 @@ class LLMEngine:
             max_queue_len=self.config.max_queue_len,
         )
         self.sampler = Sampler()
-        self.speculator = Speculator(self.config, self.max_model_len)
         self.constraints = Constraints(
             self.tokenizer, self.loaded.spec.vocab_size, self.loaded.eos_token_ids, self.config.jump_forward
         )
+        # After what close() ends: a draft model that cannot serve (another vocabulary) fails the start cleanly.
+        proposer = make_proposer(self.config, self.loaded, plan.num_blocks)
+        self.speculator = Speculator(self.config, self.max_model_len, proposer)
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._children = RequestGroups()  # caller's id -> ids of its n sequences
@@ -141,7 +143,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> list[SequenceDelta]:
         """Ends every sequence of a request; returns their final deltas (finish_reason "abort")."""
-        return self._finish_group(request_id, RequestStatus.FINISHED_ABORTED)
+        deltas = self._finish_group(request_id, RequestStatus.FINISHED_ABORTED)
+        self.speculator.follow(self.scheduler.running)  # a proposer's state for them goes now, not at a next step
+        return deltas
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.constraints.num_compiling > 0
@@ -285,6 +289,7 @@ class LLMEngine:
             logprob = sampled.get(request.request_id, (0, None))[1]
             deltas += self._delta_or_failure(request, logprob, num_new[request.request_id])
         deltas += self._finish_prompt_only(out)
+        self.speculator.follow(self.scheduler.running)
         self._record_step(progressed, num_new, start)
         return deltas
 

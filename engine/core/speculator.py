@@ -23,8 +23,10 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.speculation import verify
 from pagedserve.engine.scheduling.request import Request
 from pagedserve.engine.scheduling.scheduler import ScheduledRequest
+from pagedserve.engine.speculative.draft import DraftModelProposer
 from pagedserve.engine.speculative.ngram import NgramProposer
 from pagedserve.engine.speculative.proposer import Proposer
+from pagedserve.engine.worker import LoadedModel
 
 logger = logging.getLogger(__name__)
 MAX_PAUSE_STEPS = 4  # after proposals rejected outright, steps without any: 1, 2, 4, 4, ... in a row
@@ -68,15 +70,18 @@ def _note_outcome(request: Request, accepted: int) -> None:
     request.speculation_pause = min(2 ** (request.speculation_misses - 1), MAX_PAUSE_STEPS)
 
 
-def make_proposer(config: EngineConfig) -> Proposer | None:
+def make_proposer(config: EngineConfig, target: LoadedModel, num_target_blocks: int) -> Proposer | None:
     if config.speculative_method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max, config.num_speculative_tokens)
+    if config.speculative_method == "draft":
+        return DraftModelProposer(config, target, num_target_blocks)
     return None
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
-        self.proposer = make_proposer(config)
+    def __init__(self, config: EngineConfig, max_model_len: int, proposer: Proposer | None) -> None:
+        self.proposer = proposer
+        self.following: set[str] = set()  # the running sequences at the last round (the proposer may hold state)
         self.num_tokens = config.num_speculative_tokens
         self.token_budget = config.max_num_batched_tokens
         self.default = config.speculative_default
@@ -86,7 +91,10 @@ class Speculator:
 
     def propose(self, running: list[Request]) -> dict[str, list[int]]:
         """Proposed next tokens by sequence id, for the running sequences that speculate this step."""
-        if self.proposer is None or len(running) * (self.num_tokens + 1) > self.token_budget:
+        if self.proposer is None:
+            return {}
+        self.follow(running)
+        if len(running) * (self.num_tokens + 1) > self.token_budget:
             return {}
         candidates = [r for r in running if self._speculates(r) and not _pausing(r)]
         # Room for the proposals and the target's token after them, within max_tokens and the context.
@@ -96,6 +104,15 @@ class Speculator:
         ]
         drafts = self.proposer.propose(candidates, limits)
         return {r.request_id: d for r, d in zip(candidates, drafts) if d}
+
+    def follow(self, running: list[Request]) -> None:
+        """Lets the proposer drop what it holds for sequences no longer running (finished, aborted, preempted)."""
+        if self.proposer is None:
+            return
+        running_ids = {r.request_id for r in running}
+        if self.following - running_ids:
+            self.proposer.release(self.following - running_ids)
+        self.following = running_ids
 
     def _speculates(self, request: Request) -> bool:
         params = request.params

@@ -9,7 +9,7 @@ O(length x n) array work, no Python loop over the tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -30,6 +30,9 @@ class NgramProposer:
             propose_ngram(s.all_token_ids, self.min_n, self.max_n, min(self.num_tokens, limit)) if limit > 0 else []
             for s, limit in zip(sequences, max_tokens)
         ]
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Nothing is kept between rounds: each proposal reads the sequence afresh."""
 
 
 def propose_ngram(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -7,6 +7,7 @@ by their full path, never through this face.
 """
 
 from pagedserve.engine.worker.distributed.liveness import RankLostError
+from pagedserve.engine.worker.draft_model import load_draft_runner
 from pagedserve.engine.worker.executor import ModelExecutor
 from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.model_runner import ModelRunner
@@ -22,5 +23,6 @@ __all__ = [
     "dequantized_model_dir",
     "embedded_gguf_path",
     "gguf_model_dir",
+    "load_draft_runner",
     "resolve_model_dir",
 ]

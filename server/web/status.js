@@ -49,7 +49,35 @@ const CARDS = [
     format: perSecond,
     note: (samples) => `last minute: ${perSecond(windowRate(samples, "generation_tokens_total"))} /s`,
   },
+  // Speculative decoding's cards show once the server has verified a proposal (speculation is on and used).
+  {
+    id: "spec-acceptance",
+    label: "Proposed tokens accepted",
+    series: windowRatio("spec_decode_num_accepted_tokens_total", "spec_decode_num_draft_tokens_total"),
+    format: percent,
+    max: 1,
+    shown: speculating,
+    note: (samples) => draftsNote(samples),
+  },
+  {
+    id: "spec-accepted-per-draft",
+    label: "Accepted tokens per draft",
+    series: windowRatio("spec_decode_num_accepted_tokens_total", "spec_decode_num_drafts_total"),
+    format: (value) => (value === null ? "–" : value.toFixed(2)),
+    shown: speculating,
+    note: () => "a draft: one sequence's proposals, verified in one step",
+  },
 ];
+
+function speculating(samples) {
+  return samples.length > 0 && samples[samples.length - 1].values.get(M + "spec_decode_num_drafts_total") > 0;
+}
+
+function draftsNote(samples) {
+  const drafts = "spec_decode_num_draft_tokens_total";
+  const change = samples[samples.length - 1].values.get(M + drafts) - samples[0].values.get(M + drafts);
+  return change > 0 ? `of ${change.toFixed(0)} proposed, last minute` : "none proposed in the last minute";
+}
 
 // Prometheus' text format: one `name{labels} value` per line; a name's values summed over its labels.
 export function parseMetrics(text) {
@@ -94,6 +122,7 @@ export class StatusView {
     this.samples.push(sample);
     while (this.samples[0].time < sample.time - WINDOW_MS) this.samples.shift();
     for (const card of this.cards) {
+      card.figure.hidden = card.shown !== undefined && !card.shown(this.samples);
       const series = card.series(this.samples);
       const latest = series.length ? series[series.length - 1].value : null;
       card.output.textContent = card.format(latest);
@@ -141,7 +170,8 @@ function cardElements(container, card) {
   svg.append(path);
   figure.append(caption, output, noteElement, svg);
   container.append(figure);
-  return { output, noteElement, path };
+  figure.hidden = card.shown !== undefined;
+  return { figure, output, noteElement, path };
 }
 
 // The last minute, right-aligned on `now`; gaps where a value is missing.
