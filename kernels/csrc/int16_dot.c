@@ -1,8 +1,12 @@
 /*
- * Row dots of every block format with a token quantized to 16 bits (int8_activations.h's q16_token): the sums
+ * Row dots of every block format with tokens quantized to 16 bits (int8_activations.h's q16_token): the sums
  * of int8_dot_blocks.c and int8_dot_kquants.c, term for term, with x's integers to 1 part in 32767 of each
  * block's largest, where 8 bits keep 1 in 127. The weights widen to int16 and meet x in pair products
- * (vpmaddwd, or VNNI's vpdpwssd): no sign trick, as both sides are signed, at a few more instructions a block.
+ * (vpmaddwd, or VNNI's vpdpwssd): no sign trick, as both sides are signed.
+ *
+ * Tiles: a row against up to TILE_TOKENS tokens at once. Each weight block is unpacked to int16 lanes once and
+ * meets every token of the tile in two pair-product instructions and one float multiply-add, where a token at
+ * a time unpacks it again for each (the unpacking costs as much as the products). One token is a tile of one.
  */
 #include <stdint.h>
 #include <string.h>
@@ -26,99 +30,154 @@ static inline void unpack_scales(const uint8_t *packed_bytes, uint8_t scales[GRO
 }
 
 #ifdef INT8_AVX2
-/* A 32-weight block's integers (Q4's nibbles as they are) times x's block, as eight int32 partial sums. */
-static inline __attribute__((always_inline)) __m256i block_dot(const uint8_t *block, const int16_t *x,
-                                                               const enum format format) {
+/* A 32-weight block's integers as two vectors of 16 int16 (weights 0-15, then 16-31): Q4_0's nibbles less 8, so
+ * that its offset needs no term of its own; Q4_1's as they are (its m term is added per token). */
+static inline __attribute__((always_inline)) void unpack_block(const uint8_t *block, const enum format format,
+                                                               __m256i w[2]) {
     if (format == Q8_0) {
-        const __m256i low = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 2)));
-        const __m256i high = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 18)));
-        return dot_i16(dot_i16(_mm256_setzero_si256(), low, x), high, x + 16);
+        w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 2)));
+        w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 18)));
+        return;
     }
     const __m128i packed = _mm_loadu_si128((const __m128i *)(block + (format == Q4_1 ? 4 : 2)));
     const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m256i low = _mm256_cvtepu8_epi16(_mm_and_si128(packed, nibble));
-    const __m256i high = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
-    return dot_i16(dot_i16(_mm256_setzero_si256(), low, x), high, x + 16);
-}
-
-static inline __attribute__((always_inline)) float row_dot_32(const uint8_t *row, const q16_token *x,
-                                                              int64_t blocks, const enum format format) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float offsets = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *block = row + b * BLOCK_BYTES[format];
-        const float dw = half_to_float(block);
-        const __m256 dot = _mm256_cvtepi32_ps(block_dot(block, x->q + b * Q8_BLOCK, format));
-        if (b % 2)
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->d[b]), dot, acc1);
-        else
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->d[b]), dot, acc0);
-        if (format == Q4_0) offsets -= 8.0f * dw * x->s[b];
-        if (format == Q4_1) offsets += half_to_float(block + 2) * x->s[b];
+    w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(packed, nibble));
+    w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
+    if (format == Q4_0) {
+        w[0] = _mm256_sub_epi16(w[0], _mm256_set1_epi16(8));
+        w[1] = _mm256_sub_epi16(w[1], _mm256_set1_epi16(8));
     }
-    return sum_lanes(_mm256_add_ps(acc0, acc1)) + offsets;
 }
 
-static inline __attribute__((always_inline)) float row_dot_k(const uint8_t *row, const q16_token *x, int64_t blocks,
-                                                             const enum format format) {
-    __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
-    const __m256i low_nibbles = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1), two_bits = _mm256_set1_epi8(3);
+/* Group j (32 weights) of a K-quant super-block as two vectors of 16 int16: Q4_K's and Q5_K's unsigned integers,
+ * Q6_K's (q - 32) times each 16-weight half's scale (|.| <= 32 * 128). */
+static inline __attribute__((always_inline)) void unpack_group(const uint8_t *block, int j, const enum format format,
+                                                               __m256i w[2]) {
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+    if (format == Q6_K) {
+        const int8_t *sc = (const int8_t *)(block + 192);
+        const int half = j / 4, s = j % 4;
+        const __m256i low = _mm256_loadu_si256((const __m256i *)(block + 64 * half + 32 * (s % 2)));
+        const __m256i high = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * half));
+        const __m256i nibble = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(low, 4) : low, low_nibbles);
+        const __m256i top = _mm256_and_si256(s > 0 ? _mm256_srli_epi16(high, 2 * s) : high, _mm256_set1_epi8(3));
+        const __m256i value = _mm256_or_si256(nibble, _mm256_slli_epi16(top, 4));
+        const __m256i thirty_two = _mm256_set1_epi16(32);
+        w[0] = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(value)), thirty_two),
+                                  _mm256_set1_epi16(sc[2 * j]));
+        w[1] = _mm256_mullo_epi16(
+            _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(value, 1)), thirty_two),
+            _mm256_set1_epi16(sc[2 * j + 1]));
+        return;
+    }
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + (format == Q5_K ? 48 : 16) + 32 * (j / 2)));
+    __m256i value = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(packed, 4) : packed, low_nibbles);
+    if (format == Q5_K) { /* bit j of each of the 32 high-bit bytes */
+        const __m256i bits = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(block + 16)), j);
+        value = _mm256_or_si256(value, _mm256_slli_epi16(_mm256_and_si256(bits, _mm256_set1_epi8(1)), 4));
+    }
+    w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(value));
+    w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(value, 1));
+}
+
+/* 32 unpacked weights times x's 32 integers at xq, scaled by `scale` into acc. */
+static inline __attribute__((always_inline)) __m256 scaled_dot(__m256 acc, const __m256i w[2], const int16_t *xq,
+                                                               __m256 scale) {
+    const __m256i dot = dot_i16(dot_i16(_mm256_setzero_si256(), w[0], xq), w[1], xq + 16);
+    return _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc);
+}
+
+/* Block b of a 32-weight format, unpacked once, against each of the T tokens (acc[t], offsets[t]). */
+static inline __attribute__((always_inline)) void block_terms(__m256 *acc, float *offsets, const uint8_t *block,
+                                                              const q16_token *x, int64_t b, const enum format format,
+                                                              const int T) {
+    __m256i w[2];
+    unpack_block(block, format, w);
+    const __m256 dw = _mm256_set1_ps(half_to_float(block));
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) {
+        acc[t] = scaled_dot(acc[t], w, x[t].q + b * Q8_BLOCK, _mm256_mul_ps(dw, _mm256_broadcast_ss(x[t].d + b)));
+        if (format == Q4_1) offsets[t] += half_to_float(block + 2) * x[t].s[b];
+    }
+}
+
+/* sums[t] = row . x[t] for T tokens (a constant once inlined, so that the accumulators live in registers). One
+ * token alternates two accumulators: the multiply-adds' latency, not their count, bounds one chain. */
+static inline __attribute__((always_inline)) void tile_32(const uint8_t *row, const q16_token *x, int64_t blocks,
+                                                          float *sums, const enum format format, const int T) {
+    __m256 acc[TILE_TOKENS], odd[1] = {_mm256_setzero_ps()};
+    float offsets[TILE_TOKENS], odd_offsets[1] = {0.0f};
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps(), offsets[t] = 0.0f;
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        block_terms(acc, offsets, row + b * BLOCK_BYTES[format], x, b, format, T);
+        block_terms(T == 1 ? odd : acc, T == 1 ? odd_offsets : offsets, row + (b + 1) * BLOCK_BYTES[format], x,
+                    b + 1, format, T);
+    }
+    if (b < blocks) block_terms(acc, offsets, row + b * BLOCK_BYTES[format], x, b, format, T);
+    if (T == 1) acc[0] = _mm256_add_ps(acc[0], odd[0]), offsets[0] += odd_offsets[0];
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) sums[t] = sum_lanes(acc[t]) + offsets[t];
+}
+
+/* tile_32 for the K-quants: each group unpacked once a super-block for all T tokens; the mins' term of Q4_K and
+ * Q5_K goes into the same accumulators, eight groups a multiply-add. */
+static inline __attribute__((always_inline)) void tile_k(const uint8_t *row, const q16_token *x, int64_t blocks,
+                                                         float *sums, const enum format format, const int T) {
+    __m256 acc[TILE_TOKENS];
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t *block = row + b * BLOCK_BYTES[format];
-        const int16_t *xq = x->q + b * QK_K;
-        const float *xd = x->d + b * GROUPS;
+        float group_scale[GROUPS];
         if (format == Q6_K) {
-            const int8_t *sc = (const int8_t *)(block + 192);
-            const float d = half_to_float(block + 208);
-#pragma GCC unroll 8
-            for (int j = 0; j < GROUPS; ++j) {
-                const int half = j / 4, s = j % 4;
-                const __m256i low = _mm256_loadu_si256((const __m256i *)(block + 64 * half + 32 * (s % 2)));
-                const __m256i high = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * half));
-                const __m256i nibble = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(low, 4) : low, low_nibbles);
-                const __m256i top = _mm256_and_si256(s > 0 ? _mm256_srli_epi16(high, 2 * s) : high, two_bits);
-                const __m256i value = _mm256_or_si256(nibble, _mm256_slli_epi16(top, 4));
-                /* (q - 32) * scale per 16-weight half, in int16 (|.| <= 32 * 128), then times x. */
-                const __m256i thirty_two = _mm256_set1_epi16(32);
-                const __m256i first = _mm256_mullo_epi16(
-                    _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(value)), thirty_two),
-                    _mm256_set1_epi16(sc[2 * j]));
-                const __m256i second = _mm256_mullo_epi16(
-                    _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(value, 1)), thirty_two),
-                    _mm256_set1_epi16(sc[2 * j + 1]));
-                const __m256i dot = dot_i16(dot_i16(_mm256_setzero_si256(), first, xq + 32 * j), second, xq + 32 * j + 16);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[j]), _mm256_cvtepi32_ps(dot), acc);
-            }
-            continue;
+            for (int j = 0; j < GROUPS; ++j) group_scale[j] = half_to_float(block + 208);
+        } else {
+            uint8_t sc[GROUPS], m[GROUPS];
+            unpack_scales(block + 4, sc, m);
+            const __m256 sc_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+            const __m256 m_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)));
+            _mm256_storeu_ps(group_scale, _mm256_mul_ps(_mm256_set1_ps(half_to_float(block)), sc_floats));
+            const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(half_to_float(block + 2)), m_floats);
+#pragma GCC unroll 16
+            for (int t = 0; t < T; ++t) acc[t] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(x[t].s + b * GROUPS), acc[t]);
         }
-        const uint8_t *qs = block + (format == Q5_K ? 48 : 16);
-        uint8_t sc[GROUPS], m[GROUPS];
-        unpack_scales(block + 4, sc, m);
-        float scale[GROUPS];
-        const __m256 sc_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
-        const __m256 m_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)));
-        _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(block)), sc_floats),
-                                              _mm256_loadu_ps(xd)));
-        offsets = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(block + 2)), m_floats),
-                                  _mm256_loadu_ps(x->s + b * GROUPS), offsets);
-        const __m256i high_bits = format == Q5_K ? _mm256_loadu_si256((const __m256i *)(block + 16)) : one;
-#pragma GCC unroll 4
-        for (int i = 0; i < GROUPS / 2; ++i) {
-            const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
-            __m256i even = _mm256_and_si256(packed, low_nibbles);
-            __m256i odd = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
-            if (format == Q5_K) {
-                const __m256i bits = _mm256_srli_epi16(high_bits, 2 * i);
-                even = _mm256_or_si256(even, _mm256_slli_epi16(_mm256_and_si256(bits, one), 4));
-                odd = _mm256_or_si256(odd, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits, 1), one), 4));
-            }
-            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(scale + 2 * i),
-                                  _mm256_cvtepi32_ps(dot_u8_s16(even, xq + 64 * i)), acc);
-            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(scale + 2 * i + 1),
-                                  _mm256_cvtepi32_ps(dot_u8_s16(odd, xq + 64 * i + 32)), acc);
+#pragma GCC unroll 8
+        for (int j = 0; j < GROUPS; ++j) {
+            __m256i w[2];
+            unpack_group(block, j, format, w);
+            const __m256 scale = _mm256_set1_ps(group_scale[j]);
+#pragma GCC unroll 16
+            for (int t = 0; t < T; ++t)
+                acc[t] = scaled_dot(acc[t], w, x[t].q + b * QK_K + 32 * j,
+                                    _mm256_mul_ps(scale, _mm256_broadcast_ss(x[t].d + b * GROUPS + j)));
         }
     }
-    return sum_lanes(acc) - sum_lanes(offsets);
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) sums[t] = sum_lanes(acc[t]);
+}
+
+/* The tile kernel of a format for T tokens. */
+static inline __attribute__((always_inline)) void tile_of(const uint8_t *row, const q16_token *x, int64_t blocks,
+                                                          float *sums, const enum format format, const int T) {
+    if (format >= Q4_K)
+        tile_k(row, x, blocks, sums, format, T);
+    else
+        tile_32(row, x, blocks, sums, format, T);
+}
+
+/* tile_of with T = tokens (1..TILE_TOKENS) made a constant: one copy of the loops per count. */
+static inline __attribute__((always_inline)) void tile(const uint8_t *row, const q16_token *x, int tokens,
+                                                       int64_t blocks, float *sums, const enum format format) {
+    switch (tokens) {
+#define TILE_CASE(T)                                                                                                 \
+    case T:                                                                                                          \
+        tile_of(row, x, blocks, sums, format, T);                                                                    \
+        return;
+        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
+#undef TILE_CASE
+    }
 }
 #else
 /* Weight l of a 32-weight block, or of group j of a super-block, as an integer (Q6_K's less 32). */
@@ -183,11 +242,27 @@ static inline __attribute__((always_inline)) float row_dot_k(const uint8_t *row,
     }
     return sum;
 }
+
+static inline __attribute__((always_inline)) float row_dot(const uint8_t *row, const q16_token *x, int64_t blocks,
+                                                           const enum format format) {
+    return format >= Q4_K ? row_dot_k(row, x, blocks, format) : row_dot_32(row, x, blocks, format);
+}
+
+/* Without SIMD a block's unpacking is a weight's own: nothing to share between tokens. */
+static inline __attribute__((always_inline)) void tile(const uint8_t *row, const q16_token *x, int tokens,
+                                                       int64_t blocks, float *sums, const enum format format) {
+    for (int t = 0; t < tokens; ++t) sums[t] = row_dot(row, x + t, blocks, format);
+}
 #endif
 
-float int16_dot_q8_0(const uint8_t *row, const q16_token *x, int64_t blocks) { return row_dot_32(row, x, blocks, Q8_0); }
-float int16_dot_q4_0(const uint8_t *row, const q16_token *x, int64_t blocks) { return row_dot_32(row, x, blocks, Q4_0); }
-float int16_dot_q4_1(const uint8_t *row, const q16_token *x, int64_t blocks) { return row_dot_32(row, x, blocks, Q4_1); }
-float int16_dot_q4_k(const uint8_t *row, const q16_token *x, int64_t blocks) { return row_dot_k(row, x, blocks, Q4_K); }
-float int16_dot_q5_k(const uint8_t *row, const q16_token *x, int64_t blocks) { return row_dot_k(row, x, blocks, Q5_K); }
-float int16_dot_q6_k(const uint8_t *row, const q16_token *x, int64_t blocks) { return row_dot_k(row, x, blocks, Q6_K); }
+#define FORMAT_KERNELS(name, format)                                                                              \
+    void int16_tile_##name(const uint8_t *row, const q16_token *x, int tokens, int64_t blocks, float *sums) {       \
+        tile(row, x, tokens, blocks, sums, format);                                                                  \
+    }
+
+FORMAT_KERNELS(q8_0, Q8_0)
+FORMAT_KERNELS(q4_0, Q4_0)
+FORMAT_KERNELS(q4_1, Q4_1)
+FORMAT_KERNELS(q4_k, Q4_K)
+FORMAT_KERNELS(q5_k, Q5_K)
+FORMAT_KERNELS(q6_k, Q6_K)
