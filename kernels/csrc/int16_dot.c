@@ -80,54 +80,133 @@ static inline __attribute__((always_inline)) void unpack_group(const uint8_t *bl
     w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(value, 1));
 }
 
-/* 32 unpacked weights times x's 32 integers at xq, scaled by `scale` into acc. */
-static inline __attribute__((always_inline)) __m256 scaled_dot(__m256 acc, const __m256i w[2], const int16_t *xq,
-                                                               __m256 scale) {
-    const __m256i dot = dot_i16(dot_i16(_mm256_setzero_si256(), w[0], xq), w[1], xq + 16);
-    return _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc);
+/* Four vectors' lane sums as one vector of four: tokens' dots summed across lanes four tokens at a time. */
+static inline __attribute__((always_inline)) __m128i four_sums(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i pairs = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
 }
 
-/* Block b of a 32-weight format, unpacked once, against each of the T tokens (acc[t], offsets[t]). */
-static inline __attribute__((always_inline)) void block_terms(__m256 *acc, float *offsets, const uint8_t *block,
-                                                              const q16_token *x, int64_t b, const enum format format,
-                                                              const int T) {
-    __m256i w[2];
-    unpack_block(block, format, w);
-    const __m256 dw = _mm256_set1_ps(half_to_float(block));
+static inline __attribute__((always_inline)) __m128 four_sums_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+/* 32 unpacked weights times x's 32 integers at xq, as eight int32 lanes. */
+static inline __attribute__((always_inline)) __m256i weights_dot(const __m256i w[2], const int16_t *xq) {
+    return dot_i16(dot_i16(_mm256_setzero_si256(), w[0], xq), w[1], xq + 16);
+}
+
+/*
+ * 32 unpacked weights against the T tokens' integers at q + at, each token's dot times scale * d[scale_at]. T a
+ * multiple of 4: four tokens' dots are summed across lanes together and scaled as one four-lane vector (acc4,
+ * one lane a token), a few instructions for four tokens where a token alone takes a conversion, a broadcast, a
+ * multiply and a multiply-add; Q6_K sums in float (its eight lanes' sum may pass int32). Else one eight-lane
+ * accumulator a token (acc).
+ */
+static inline __attribute__((always_inline)) void weights_terms(__m256 *acc, __m128 *acc4, const __m256i w[2],
+                                                                const q16_token *x, int64_t at, int64_t scale_at,
+                                                                float scale, const enum format format, const int T) {
+    if (T % 4 == 0) {
+#pragma GCC unroll 4
+        for (int g = 0; g < T / 4; ++g) {
+            const q16_token *four = x + 4 * g;
+            __m256i dots[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) dots[i] = weights_dot(w, four[i].q + at);
+            const __m128 sums =
+                format == Q6_K ? four_sums_ps(_mm256_cvtepi32_ps(dots[0]), _mm256_cvtepi32_ps(dots[1]),
+                                              _mm256_cvtepi32_ps(dots[2]), _mm256_cvtepi32_ps(dots[3]))
+                               : _mm_cvtepi32_ps(four_sums(dots[0], dots[1], dots[2], dots[3]));
+            const __m128 scales = _mm_setr_ps(four[0].d[scale_at], four[1].d[scale_at], four[2].d[scale_at],
+                                              four[3].d[scale_at]);
+            acc4[g] = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(scale), scales), sums, acc4[g]);
+        }
+        return;
+    }
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
-        acc[t] = scaled_dot(acc[t], w, x[t].q + b * Q8_BLOCK, _mm256_mul_ps(dw, _mm256_broadcast_ss(x[t].d + b)));
-        if (format == Q4_1) offsets[t] += half_to_float(block + 2) * x[t].s[b];
+        const __m256 token_scale = _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_broadcast_ss(x[t].d + scale_at));
+        acc[t] = _mm256_fmadd_ps(token_scale, _mm256_cvtepi32_ps(weights_dot(w, x[t].q + at)), acc[t]);
     }
+}
+
+/* A tile's accumulators: one set or the other, as weights_terms fills them. */
+typedef struct {
+    __m256 lanes[TILE_TOKENS];
+    __m128 fours[TILE_TOKENS / 4];
+    float offsets[TILE_TOKENS];
+} tile_sums;
+
+static inline __attribute__((always_inline)) void tile_start(tile_sums *a, const int T) {
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) a->lanes[t] = _mm256_setzero_ps(), a->offsets[t] = 0.0f;
+#pragma GCC unroll 4
+    for (int g = 0; g < T / 4; ++g) a->fours[g] = _mm_setzero_ps();
+}
+
+static inline __attribute__((always_inline)) void tile_finish(float *sums, const tile_sums *a, const int T) {
+    if (T % 4 == 0) {
+#pragma GCC unroll 4
+        for (int g = 0; g < T / 4; ++g) _mm_storeu_ps(sums + 4 * g, a->fours[g]);
+    } else {
+#pragma GCC unroll 16
+        for (int t = 0; t < T; ++t) sums[t] = sum_lanes(a->lanes[t]);
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) sums[t] += a->offsets[t];
+}
+
+/* Block b of a 32-weight format, unpacked once, against each of the T tokens. */
+static inline __attribute__((always_inline)) void block_terms(tile_sums *a, const uint8_t *block, const q16_token *x,
+                                                              int64_t b, const enum format format, const int T) {
+    __m256i w[2];
+    unpack_block(block, format, w);
+    weights_terms(a->lanes, a->fours, w, x, b * Q8_BLOCK, b, half_to_float(block), format, T);
+    if (format == Q4_1)
+#pragma GCC unroll 16
+        for (int t = 0; t < T; ++t) a->offsets[t] += half_to_float(block + 2) * x[t].s[b];
 }
 
 /* sums[t] = row . x[t] for T tokens (a constant once inlined, so that the accumulators live in registers). One
  * token alternates two accumulators: the multiply-adds' latency, not their count, bounds one chain. */
 static inline __attribute__((always_inline)) void tile_32(const uint8_t *row, const q16_token *x, int64_t blocks,
                                                           float *sums, const enum format format, const int T) {
-    __m256 acc[TILE_TOKENS], odd[1] = {_mm256_setzero_ps()};
-    float offsets[TILE_TOKENS], odd_offsets[1] = {0.0f};
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps(), offsets[t] = 0.0f;
+    tile_sums a, odd;
+    tile_start(&a, T);
+    tile_start(&odd, 1);
     int64_t b = 0;
     for (; b + 1 < blocks; b += 2) {
-        block_terms(acc, offsets, row + b * BLOCK_BYTES[format], x, b, format, T);
-        block_terms(T == 1 ? odd : acc, T == 1 ? odd_offsets : offsets, row + (b + 1) * BLOCK_BYTES[format], x,
-                    b + 1, format, T);
+        block_terms(&a, row + b * BLOCK_BYTES[format], x, b, format, T);
+        block_terms(T == 1 ? &odd : &a, row + (b + 1) * BLOCK_BYTES[format], x, b + 1, format, T);
     }
-    if (b < blocks) block_terms(acc, offsets, row + b * BLOCK_BYTES[format], x, b, format, T);
-    if (T == 1) acc[0] = _mm256_add_ps(acc[0], odd[0]), offsets[0] += odd_offsets[0];
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) sums[t] = sum_lanes(acc[t]) + offsets[t];
+    if (b < blocks) block_terms(&a, row + b * BLOCK_BYTES[format], x, b, format, T);
+    if (T == 1) a.lanes[0] = _mm256_add_ps(a.lanes[0], odd.lanes[0]), a.offsets[0] += odd.offsets[0];
+    tile_finish(sums, &a, T);
 }
 
-/* tile_32 for the K-quants: each group unpacked once a super-block for all T tokens; the mins' term of Q4_K and
- * Q5_K goes into the same accumulators, eight groups a multiply-add. */
+/* Q4_K's and Q5_K's mins term of super-block b, for every token: dmin * m . s, eight groups a multiply. */
+static inline __attribute__((always_inline)) void mins_terms(tile_sums *a, __m256 mins, const q16_token *x, int64_t b,
+                                                             const int T) {
+    if (T % 4 == 0) {
+#pragma GCC unroll 4
+        for (int g = 0; g < T / 4; ++g) {
+            const q16_token *four = x + 4 * g;
+            __m256 products[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) products[i] = _mm256_mul_ps(mins, _mm256_loadu_ps(four[i].s + b * GROUPS));
+            a->fours[g] = _mm_sub_ps(a->fours[g], four_sums_ps(products[0], products[1], products[2], products[3]));
+        }
+        return;
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) a->lanes[t] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(x[t].s + b * GROUPS), a->lanes[t]);
+}
+
+/* tile_32 for the K-quants: each group unpacked once a super-block for all T tokens. */
 static inline __attribute__((always_inline)) void tile_k(const uint8_t *row, const q16_token *x, int64_t blocks,
                                                          float *sums, const enum format format, const int T) {
-    __m256 acc[TILE_TOKENS];
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+    tile_sums a;
+    tile_start(&a, T);
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t *block = row + b * BLOCK_BYTES[format];
         float group_scale[GROUPS];
@@ -139,23 +218,16 @@ static inline __attribute__((always_inline)) void tile_k(const uint8_t *row, con
             const __m256 sc_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
             const __m256 m_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)));
             _mm256_storeu_ps(group_scale, _mm256_mul_ps(_mm256_set1_ps(half_to_float(block)), sc_floats));
-            const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(half_to_float(block + 2)), m_floats);
-#pragma GCC unroll 16
-            for (int t = 0; t < T; ++t) acc[t] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(x[t].s + b * GROUPS), acc[t]);
+            mins_terms(&a, _mm256_mul_ps(_mm256_set1_ps(half_to_float(block + 2)), m_floats), x, b, T);
         }
 #pragma GCC unroll 8
         for (int j = 0; j < GROUPS; ++j) {
             __m256i w[2];
             unpack_group(block, j, format, w);
-            const __m256 scale = _mm256_set1_ps(group_scale[j]);
-#pragma GCC unroll 16
-            for (int t = 0; t < T; ++t)
-                acc[t] = scaled_dot(acc[t], w, x[t].q + b * QK_K + 32 * j,
-                                    _mm256_mul_ps(scale, _mm256_broadcast_ss(x[t].d + b * GROUPS + j)));
+            weights_terms(a.lanes, a.fours, w, x, b * QK_K + 32 * j, b * GROUPS + j, group_scale[j], format, T);
         }
     }
-#pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) sums[t] = sum_lanes(acc[t]);
+    tile_finish(sums, &a, T);
 }
 
 /* The tile kernel of a format for T tokens. */
