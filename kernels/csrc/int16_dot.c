@@ -184,6 +184,22 @@ static inline __attribute__((always_inline)) void tile_32(const uint8_t *row, co
     tile_finish(sums, &a, T);
 }
 
+/* tile_32 for two rows at once: each of x's vectors, loaded once, meets both rows' weights (the loads of x, two
+ * a token and block, bound one row's tile as much as its products do). */
+static inline __attribute__((always_inline)) void pair_32(const uint8_t *row, int64_t row_bytes, const q16_token *x,
+                                                          int64_t blocks, float *sums, const enum format format,
+                                                          const int T) {
+    tile_sums a, c;
+    tile_start(&a, T);
+    tile_start(&c, T);
+    for (int64_t b = 0; b < blocks; ++b) {
+        block_terms(&a, row + b * BLOCK_BYTES[format], x, b, format, T);
+        block_terms(&c, row + row_bytes + b * BLOCK_BYTES[format], x, b, format, T);
+    }
+    tile_finish(sums, &a, T);
+    tile_finish(sums + TILE_TOKENS, &c, T);
+}
+
 /* Q4_K's and Q5_K's mins term of super-block b, for every token: dmin * m . s, eight groups a multiply. */
 static inline __attribute__((always_inline)) void mins_terms(tile_sums *a, __m256 mins, const q16_token *x, int64_t b,
                                                              const int T) {
@@ -231,21 +247,28 @@ static inline __attribute__((always_inline)) void tile_k(const uint8_t *row, con
 }
 
 /* The tile kernel of a format for T tokens. */
-static inline __attribute__((always_inline)) void tile_of(const uint8_t *row, const q16_token *x, int64_t blocks,
-                                                          float *sums, const enum format format, const int T) {
-    if (format >= Q4_K)
-        tile_k(row, x, blocks, sums, format, T);
-    else
-        tile_32(row, x, blocks, sums, format, T);
+static inline __attribute__((always_inline)) void tile_of(const uint8_t *row, int64_t row_bytes, int rows,
+                                                          const q16_token *x, int64_t blocks, float *sums,
+                                                          const enum format format, const int T) {
+    if (rows == 2 && format < Q4_K && T % 4 == 0) {
+        pair_32(row, row_bytes, x, blocks, sums, format, T);
+        return;
+    }
+    for (int r = 0; r < rows; ++r)
+        if (format >= Q4_K)
+            tile_k(row + r * row_bytes, x, blocks, sums + r * TILE_TOKENS, format, T);
+        else
+            tile_32(row + r * row_bytes, x, blocks, sums + r * TILE_TOKENS, format, T);
 }
 
 /* tile_of with T = tokens (1..TILE_TOKENS) made a constant: one copy of the loops per count. */
-static inline __attribute__((always_inline)) void tile(const uint8_t *row, const q16_token *x, int tokens,
-                                                       int64_t blocks, float *sums, const enum format format) {
+static inline __attribute__((always_inline)) void tile(const uint8_t *row, int64_t row_bytes, int rows,
+                                                       const q16_token *x, int tokens, int64_t blocks, float *sums,
+                                                       const enum format format) {
     switch (tokens) {
 #define TILE_CASE(T)                                                                                                 \
     case T:                                                                                                          \
-        tile_of(row, x, blocks, sums, format, T);                                                                    \
+        tile_of(row, row_bytes, rows, x, blocks, sums, format, T);                                                   \
         return;
         TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
 #undef TILE_CASE
@@ -321,15 +344,18 @@ static inline __attribute__((always_inline)) float row_dot(const uint8_t *row, c
 }
 
 /* Without SIMD a block's unpacking is a weight's own: nothing to share between tokens. */
-static inline __attribute__((always_inline)) void tile(const uint8_t *row, const q16_token *x, int tokens,
-                                                       int64_t blocks, float *sums, const enum format format) {
-    for (int t = 0; t < tokens; ++t) sums[t] = row_dot(row, x + t, blocks, format);
+static inline __attribute__((always_inline)) void tile(const uint8_t *row, int64_t row_bytes, int rows,
+                                                       const q16_token *x, int tokens, int64_t blocks, float *sums,
+                                                       const enum format format) {
+    for (int r = 0; r < rows; ++r)
+        for (int t = 0; t < tokens; ++t) sums[r * TILE_TOKENS + t] = row_dot(row + r * row_bytes, x + t, blocks, format);
 }
 #endif
 
 #define FORMAT_KERNELS(name, format)                                                                              \
-    void int16_tile_##name(const uint8_t *row, const q16_token *x, int tokens, int64_t blocks, float *sums) {       \
-        tile(row, x, tokens, blocks, sums, format);                                                                  \
+    void int16_tile_##name(const uint8_t *row, int64_t row_bytes, int rows, const q16_token *x, int tokens,       \
+                           int64_t blocks, float *sums) {                                                           \
+        tile(row, row_bytes, rows, x, tokens, blocks, sums, format);                                                 \
     }
 
 FORMAT_KERNELS(q8_0, Q8_0)

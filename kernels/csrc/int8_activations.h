@@ -54,9 +54,10 @@ int8_row_dot int8_dot_q8_0, int8_dot_q4_0, int8_dot_q4_1, int8_dot_q4_k, int8_do
 /* Tokens one call of a tile dot takes: eight float accumulators and a block's weights fit AVX2's 16 registers. */
 enum { TILE_TOKENS = 8 };
 
-/* A weight row times `tokens` (1..TILE_TOKENS) quantized tokens x[0..tokens): sums[t] = row . x[t], each weight
- * block unpacked once for all of them (int16_dot.c). */
-typedef void int16_tile_dot(const uint8_t *row, const q16_token *x, int tokens, int64_t blocks, float *sums);
+/* `rows` (1 or 2) weight rows, row_bytes apart, times `tokens` (1..TILE_TOKENS) quantized tokens x[0..tokens):
+ * sums[r * TILE_TOKENS + t] = row r . x[t], each weight block unpacked once for all of them (int16_dot.c). */
+typedef void int16_tile_dot(const uint8_t *row, int64_t row_bytes, int rows, const q16_token *x, int tokens,
+                            int64_t blocks, float *sums);
 int16_tile_dot int16_tile_q8_0, int16_tile_q4_0, int16_tile_q4_1, int16_tile_q4_k, int16_tile_q5_k, int16_tile_q6_k;
 
 #ifdef INT8_AVX2

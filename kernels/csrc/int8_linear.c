@@ -55,24 +55,33 @@ typedef struct {
     int64_t M, blocks, row_bytes;
 } int8_job;
 
-/* Output rows [begin, end), every token: 16-bit tokens TILE_TOKENS at a time (a row is read from L1 for every
- * tile but the first), 8-bit ones one at a time. */
+/* Rows [n, n + rows) times every 16-bit token, TILE_TOKENS at a time (a row is read from L1 for every tile but
+ * the first). */
+static void int16_rows(const int8_job *job, int64_t n, int rows) {
+    float sums[2 * TILE_TOKENS];
+    for (int64_t m = 0; m < job->M; m += TILE_TOKENS) {
+        const int tokens = job->M - m < TILE_TOKENS ? (int)(job->M - m) : TILE_TOKENS;
+        job->format->tile16(job->w + n * job->row_bytes, job->row_bytes, rows, job->tokens16 + m, tokens, job->blocks,
+                            sums);
+        for (int r = 0; r < rows; ++r)
+            for (int t = 0; t < tokens; ++t)
+                job->y[(n + r) * job->ldy_row + (m + t) * job->ldy_token] =
+                    sums[r * TILE_TOKENS + t] + (job->bias ? job->bias[n + r] : 0.0f);
+    }
+}
+
+/* Output rows [begin, end), every token: 16-bit tokens two rows at a time, 8-bit ones a row and token at a time. */
 static void int8_rows(void *context, int64_t begin, int64_t end) {
     const int8_job *job = context;
-    float sums[TILE_TOKENS];
+    if (job->tokens16) {
+        for (int64_t n = begin; n < end; n += 2) int16_rows(job, n, end - n >= 2 ? 2 : 1);
+        return;
+    }
     for (int64_t n = begin; n < end; ++n) {
         const uint8_t *row = job->w + n * job->row_bytes;
         const float bias = job->bias ? job->bias[n] : 0.0f;
-        float *y = job->y + n * job->ldy_row;
-        if (job->tokens16)
-            for (int64_t m = 0; m < job->M; m += TILE_TOKENS) {
-                const int tokens = job->M - m < TILE_TOKENS ? (int)(job->M - m) : TILE_TOKENS;
-                job->format->tile16(row, job->tokens16 + m, tokens, job->blocks, sums);
-                for (int t = 0; t < tokens; ++t) y[(m + t) * job->ldy_token] = sums[t] + bias;
-            }
-        else
-            for (int64_t m = 0; m < job->M; ++m)
-                y[m * job->ldy_token] = job->format->dot8(row, job->tokens8 + m, job->blocks) + bias;
+        for (int64_t m = 0; m < job->M; ++m)
+            job->y[n * job->ldy_row + m * job->ldy_token] = job->format->dot8(row, job->tokens8 + m, job->blocks) + bias;
     }
 }
 
