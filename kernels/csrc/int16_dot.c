@@ -1,33 +1,16 @@
 /*
- * Row dots of every block format with tokens quantized to 16 bits (int8_activations.h's q16_token): the sums
- * of int8_dot_blocks.c and int8_dot_kquants.c, term for term, with x's integers to 1 part in 32767 of each
+ * Tile dots of every block format with tokens quantized to 16 bits (int8_activations.h's q16_token), AVX2: the
+ * sums of int8_dot_blocks.c and int8_dot_kquants.c, term for term, with x's integers to 1 part in 32767 of each
  * block's largest, where 8 bits keep 1 in 127. The weights widen to int16 and meet x in pair products
  * (vpmaddwd, or VNNI's vpdpwssd): no sign trick, as both sides are signed.
  *
- * Tiles: a row against up to TILE_TOKENS tokens at once. Each weight block is unpacked to int16 lanes once and
- * meets every token of the tile in two pair-product instructions and one float multiply-add, where a token at
- * a time unpacks it again for each (the unpacking costs as much as the products). One token is a tile of one.
+ * A tile is a row (two, for the 32-weight formats) against up to TILE_TOKENS tokens. Each weight block is
+ * unpacked to int16 lanes once for all of them, where a token at a time unpacked it again for each (the
+ * unpacking costs as much as the products); four tokens' dots are summed across lanes together and scaled in one
+ * four-lane multiply-add. One token is a tile of one. Without AVX2: int16_dot_portable.c.
  */
-#include <stdint.h>
-#include <string.h>
-
 #include "half_float.h"
-#include "int8_activations.h"
-
-enum { QK_K = 256, GROUPS = QK_K / Q8_BLOCK };
-enum format { Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K };
-static const int64_t BLOCK_BYTES[] = {34, 18, 20, 144, 176, 210};
-
-/* Q4_K's and Q5_K's 6-bit scales and mins (int8_dot_kquants.c's unpack_scales). */
-static inline void unpack_scales(const uint8_t *packed_bytes, uint8_t scales[GROUPS], uint8_t mins[GROUPS]) {
-    uint32_t packed[3];
-    memcpy(packed, packed_bytes, sizeof packed);
-    const uint32_t six = 0x3F3F3F3Fu, nibble = 0x0F0F0F0Fu, two = 0x03030303u;
-    const uint32_t words[4] = {packed[0] & six, (packed[2] & nibble) | ((packed[0] >> 6) & two) << 4,
-                               packed[1] & six, ((packed[2] >> 4) & nibble) | ((packed[1] >> 6) & two) << 4};
-    memcpy(scales, words, GROUPS);
-    memcpy(mins, words + 2, GROUPS);
-}
+#include "int16_formats.h"
 
 #ifdef INT8_AVX2
 /* A 32-weight block's integers as two vectors of 16 int16 (weights 0-15, then 16-31): Q4_0's nibbles less 8, so
@@ -274,93 +257,5 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *row, int64
 #undef TILE_CASE
     }
 }
-#else
-/* Weight l of a 32-weight block, or of group j of a super-block, as an integer (Q6_K's less 32). */
-static inline __attribute__((always_inline)) int32_t weight_int(const uint8_t *block, int j, int l,
-                                                                const enum format format) {
-    switch (format) {
-    case Q8_0:
-        return ((const int8_t *)(block + 2))[l];
-    case Q4_0:
-    case Q4_1: {
-        const uint8_t byte = block[(format == Q4_1 ? 4 : 2) + l % 16];
-        return l < 16 ? byte & 0x0F : byte >> 4;
-    }
-    case Q6_K: {
-        const int half = j / 4, s = j % 4;
-        const int nibble = (block[64 * half + 32 * (s % 2) + l] >> (4 * (s / 2))) & 0x0F;
-        return (nibble | ((block[128 + 32 * half + l] >> (2 * s)) & 3) << 4) - 32;
-    }
-    default: {
-        const uint8_t *qs = block + (format == Q5_K ? 48 : 16);
-        const int nibble = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
-        return format == Q5_K ? nibble | ((block[16 + l] >> j) & 1) << 4 : nibble;
-    }
-    }
-}
-
-static inline __attribute__((always_inline)) float row_dot_32(const uint8_t *row, const q16_token *x,
-                                                              int64_t blocks, const enum format format) {
-    float sum = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *block = row + b * BLOCK_BYTES[format];
-        int32_t dot = 0;
-        for (int l = 0; l < Q8_BLOCK; ++l) dot += weight_int(block, 0, l, format) * x->q[b * Q8_BLOCK + l];
-        const float dw = half_to_float(block);
-        sum += dw * x->d[b] * (float)dot;
-        if (format == Q4_0) sum -= 8.0f * dw * x->s[b];
-        if (format == Q4_1) sum += half_to_float(block + 2) * x->s[b];
-    }
-    return sum;
-}
-
-static inline __attribute__((always_inline)) float row_dot_k(const uint8_t *row, const q16_token *x, int64_t blocks,
-                                                             const enum format format) {
-    float sum = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *block = row + b * BLOCK_BYTES[format];
-        const int16_t *xq = x->q + b * QK_K;
-        uint8_t sc[GROUPS], m[GROUPS];
-        if (format != Q6_K) unpack_scales(block + 4, sc, m);
-        for (int j = 0; j < GROUPS; ++j) {
-            int32_t dots[2] = {0, 0};
-            for (int l = 0; l < Q8_BLOCK; ++l) dots[l / 16] += weight_int(block, j, l, format) * xq[32 * j + l];
-            const float dx = x->d[b * GROUPS + j];
-            if (format == Q6_K) {
-                const int8_t *scales = (const int8_t *)(block + 192);
-                sum += half_to_float(block + 208) * dx * (float)(scales[2 * j] * dots[0] + scales[2 * j + 1] * dots[1]);
-            } else {
-                sum += half_to_float(block) * (float)sc[j] * dx * (float)(dots[0] + dots[1]);
-                sum -= half_to_float(block + 2) * (float)m[j] * x->s[b * GROUPS + j];
-            }
-        }
-    }
-    return sum;
-}
-
-static inline __attribute__((always_inline)) float row_dot(const uint8_t *row, const q16_token *x, int64_t blocks,
-                                                           const enum format format) {
-    return format >= Q4_K ? row_dot_k(row, x, blocks, format) : row_dot_32(row, x, blocks, format);
-}
-
-/* Without SIMD a block's unpacking is a weight's own: nothing to share between tokens. */
-static inline __attribute__((always_inline)) void tile(const uint8_t *row, int64_t row_bytes, int rows,
-                                                       const q16_token *x, int tokens, int64_t blocks, float *sums,
-                                                       const enum format format) {
-    for (int r = 0; r < rows; ++r)
-        for (int t = 0; t < tokens; ++t) sums[r * TILE_TOKENS + t] = row_dot(row + r * row_bytes, x + t, blocks, format);
-}
+INT16_TILE_KERNELS
 #endif
-
-#define FORMAT_KERNELS(name, format)                                                                              \
-    void int16_tile_##name(const uint8_t *row, int64_t row_bytes, int rows, const q16_token *x, int tokens,       \
-                           int64_t blocks, float *sums) {                                                           \
-        tile(row, row_bytes, rows, x, tokens, blocks, sums, format);                                                 \
-    }
-
-FORMAT_KERNELS(q8_0, Q8_0)
-FORMAT_KERNELS(q4_0, Q4_0)
-FORMAT_KERNELS(q4_1, Q4_1)
-FORMAT_KERNELS(q4_k, Q4_K)
-FORMAT_KERNELS(q5_k, Q5_K)
-FORMAT_KERNELS(q6_k, Q6_K)
