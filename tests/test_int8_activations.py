@@ -127,6 +127,18 @@ def test_integer_kernel_is_the_reference(qtype: str, tokens: int, bits: int) -> 
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("tokens", (4, 12))
+def test_int16_tiles_are_the_reference_on_odd_rows_and_partial_tiles(qtype: str, tokens: int) -> None:
+    """37 rows: the 32-weight formats' tiles of two rows end on a row alone; 4 and 12 tokens: tiles of four tokens
+    summed together, and a tile of eight followed by one of four."""
+    weight, x = weight_of(qtype, out_features=37), activations(tokens)
+    bias = torch.randn(37)
+    expected = int8_linear_reference(x, weight, bias, bits=16)
+    out = integer_product(x, weight, bias, bits=16)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("qtype", ("q4_0", "q4_k"))
 def test_integer_kernel_writes_either_layout_and_reads_feature_major_x(qtype: str, bits: int) -> None:
