@@ -64,8 +64,8 @@ ROW_TILE = 256  # rows dequantized at a time without the kernels: a 256 x 1536 f
 ACTIVATION_DTYPES = ("float32", "int8", "int16")
 # Tokens from which integer activations give way to the float32 path, by activation dtype
 # (benchmarks/int8_activations.py). int8 unpacks each block again for every token: 1.2-1.8x the float32 path's
-# speed at one token, about even at 2-3, slower from 4. int16 unpacks it once for a tile of 8 tokens: 1.0-1.8x
-# the float32 path's speed at 2-8 tokens, 0.8-1.0x at 16, where the float32 path's register tiles take over.
+# speed at one token, about even at 2-3, slower from 4. int16 unpacks it once for a tile of 8 tokens: 1.07-1.70x
+# the float32 path's speed at 1-8 tokens, 0.72-0.89x at 16, where the float32 path's register tiles take over.
 INTEGER_MAX_TOKENS = {"int8": 3, "int16": 16}
 
 
