@@ -6,7 +6,7 @@ Each format's weights are four decoder layers of Llama-3.2-1B's shape (hidden 20
 own (132-250 MiB: far past the last-level cache, so every product streams its weight from memory as a decode
 step does). The paths alternate (float32, int8, int16, float32, ...) so that a shared machine's slow moments hit
 both; the figure is the weights' bytes over the median time of one pass over the four layers. Token counts 1
-(one stream's decode step) and up: kernels/quantized.py's INT8_MAX_TOKENS is where the integer kernels stop
+(one stream's decode step) and up: kernels/quantized.py's INTEGER_MAX_TOKENS is where each integer kernel stops
 being faster. The kernels are called directly, at every token count.
 
 Copy bandwidth: a 256 MiB torch copy on the same threads, as bytes read per second (what a weight stream is;
@@ -60,7 +60,7 @@ def layers_of(qtype: str) -> list[QuantizedWeight]:
 
 
 def kernel_of(activation_dtype: str) -> QuantizedLinear:
-    """The kernel itself, at any token count (quantized_linear takes the integer ones below INT8_MAX_TOKENS)."""
+    """The kernel itself, at any token count (quantized_linear takes the integer ones below INTEGER_MAX_TOKENS)."""
     kernel = (
         quantized_linear_kernel() if activation_dtype == "float32" else int8_linear_kernel(activation_dtype == "int16")
     )

@@ -8,7 +8,7 @@ path's and the absolute difference of the two paths' logprobs of that token. Tar
 99.5%, mean difference <= 0.02.
 
 Requests run in waves of 15 streams, and every step of fewer than 16 tokens takes integer activations (the
-benchmark raises kernels/quantized.py's INT8_MAX_TOKENS to 16 for its run: each token's arithmetic on that path
+benchmark raises kernels/quantized.py's INTEGER_MAX_TOKENS to 16 for its run: each token's arithmetic on that path
 is its own, whatever else shares the step, so a wave of 15 computes what 15 single streams would, only faster);
 prompts prefill in float32, as they do in serving, and so does the first generated token, which comes from the
 prefill step. A control runs the same way on float32 activations: what the method alone contributes (float32
@@ -36,12 +36,11 @@ from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.core.sampler import SamplerOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduling.request import Request
-from pagedserve.engine.worker import native_decoder
 from pagedserve.engine.worker.model_loader import LoadedModel, load_model
 from pagedserve.kernels import quantized
 
-WAVE = 15  # streams at once: their decode steps take integer activations (see INTEGER_MAX_TOKENS)
-INTEGER_MAX_TOKENS = 16
+WAVE = 15  # streams at once: their decode steps take integer activations (see FORCED_MAX_TOKENS)
+FORCED_MAX_TOKENS = 16
 Generated = list[tuple[list[int], list[float]]]  # per prompt: tokens, their logprobs
 
 
@@ -124,7 +123,7 @@ def main() -> None:
     parser.add_argument("--no-control", action="store_true", help="skip the float32 control")
     args = parser.parse_args()
     started = datetime.datetime.now(datetime.timezone.utc)
-    quantized.INT8_MAX_TOKENS = native_decoder.INT8_MAX_TOKENS = INTEGER_MAX_TOKENS  # see the docstring
+    quantized.INTEGER_MAX_TOKENS.update(int8=FORCED_MAX_TOKENS, int16=FORCED_MAX_TOKENS)  # see the docstring
     loaded = load_model(EngineConfig())
     prompts = chat_prompts(loaded.tokenizer, args.prompts, args.min_prompt, args.max_prompt)
     clock = time.perf_counter()

@@ -11,9 +11,10 @@ copy of the whole weight ever exists. Without the compiled library, ROW_TILE row
 into torch's matmul.
 
 activation_dtype "int8" quantizes a call's x to 8 bits a block of 32 and multiplies by integer dot products
-(csrc/int8_linear.c, as llama.cpp does): faster for a few tokens (INT8_MAX_TOKENS), no longer the float32
-product of the dequantized weight. "int16" does the same with 16-bit integers: x to ~1e-5, nearly as fast.
-From INT8_MAX_TOKENS tokens, and for formats without such a kernel, the float32 path runs whatever the setting.
+(csrc/int8_linear.c, as llama.cpp does): faster for a few tokens, no longer the float32 product of the
+dequantized weight. "int16" does the same with 16-bit integers (x to ~1e-5), unpacking each weight block once
+for up to 8 tokens (csrc/int16_dot.c's tiles). From INTEGER_MAX_TOKENS[activation_dtype] tokens, and for formats
+without such a kernel, the float32 path runs whatever the setting.
 The torch reference (`dequantize`, `quantize`) is in
 kernels/quantized_reference.py (int8: kernels/int8_reference.py); both modules' names are importable from here.
 """
@@ -42,7 +43,7 @@ __all__ = [
     "ACTIVATION_DTYPES",
     "BLOCK",
     "FORMATS",
-    "INT8_MAX_TOKENS",
+    "INTEGER_MAX_TOKENS",
     "ROW_TILE",
     "SUPER_BLOCK",
     "BlockFormat",
@@ -51,6 +52,7 @@ __all__ = [
     "dequantize",
     "dequantize_kernel",
     "int8_linear_kernel",
+    "integer_max_tokens",
     "lookup_rows",
     "quantize",
     "quantized_linear",
@@ -60,10 +62,16 @@ __all__ = [
 
 ROW_TILE = 256  # rows dequantized at a time without the kernels: a 256 x 1536 float32 tile is 1.5 MiB
 ACTIVATION_DTYPES = ("float32", "int8", "int16")
-# Tokens from which integer activations give way to the float32 path (benchmarks/int8_activations.py: 1.2-1.8x
-# the float32 path's speed at one token, about even at 2-3, slower from 4, where the float32 kernels dequantize
-# each block once for every token and the integer ones unpack it again for each).
-INT8_MAX_TOKENS = 3
+# Tokens from which integer activations give way to the float32 path, by activation dtype
+# (benchmarks/int8_activations.py). int8 unpacks each block again for every token: 1.2-1.8x the float32 path's
+# speed at one token, about even at 2-3, slower from 4. int16 unpacks it once for a tile of 8 tokens: 1.07-1.70x
+# the float32 path's speed at 1-8 tokens, 0.72-0.89x at 16, where the float32 path's register tiles take over.
+INTEGER_MAX_TOKENS = {"int8": 3, "int16": 16}
+
+
+def integer_max_tokens(activation_dtype: str) -> int:
+    """Products of fewer tokens than this take `activation_dtype`'s integer kernel (0: never, as for float32)."""
+    return INTEGER_MAX_TOKENS.get(activation_dtype, 0)
 
 
 def quantized_linear(
@@ -134,7 +142,7 @@ def _kernel_for(x: torch.Tensor, weight: QuantizedWeight, activation_dtype: str)
     """The int8 kernel where asked for and it takes this product; else the float32 one (None: no library)."""
     if activation_dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"activation_dtype must be one of {ACTIVATION_DTYPES}, got {activation_dtype!r}")
-    if activation_dtype != "float32" and x.shape[0] < INT8_MAX_TOKENS and weight.qtype in int8_formats():
+    if x.shape[0] < integer_max_tokens(activation_dtype) and weight.qtype in int8_formats():
         return int8_linear_kernel(activation_dtype == "int16") or quantized_linear_kernel()
     return quantized_linear_kernel()
 

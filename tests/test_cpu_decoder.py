@@ -16,7 +16,7 @@ import transformers
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.kernels.quantized import INT8_MAX_TOKENS
+from pagedserve.kernels.quantized import integer_max_tokens
 from pagedserve.kernels.stacked_weight import RowStackedWeight
 from tests.conftest import TINY_COMMON
 from tests.test_kquants import write_tiny_gguf
@@ -137,11 +137,11 @@ def test_native_forward_takes_q_k_v_of_different_formats(mixed_qkv_gguf: Path) -
 def assert_integer_path_follows_the_modules(engine: LLMEngine, dtype: str) -> None:
     """Both paths on integer activations: the same tokens, and logprobs as close as the roundings of x allow
     (decided on float32 inputs that differ by rounding between the paths, one may land a step apart). And not the
-    float32 path's logprobs: the native forward does quantize. Two prompts: decode steps of two tokens, fewer than
-    INT8_MAX_TOKENS."""
+    float32 path's logprobs: the native forward does quantize. As many prompts as decode steps of fewer than
+    integer_max_tokens(dtype) tokens allow (int8: two; int16: all three)."""
     decoder = engine.runner.model.native_decoder
-    assert decoder is not None and decoder.int8_max_tokens == INT8_MAX_TOKENS
-    prompts = PROMPTS[:2]
+    assert decoder is not None and decoder.int8_max_tokens == integer_max_tokens(dtype)
+    prompts = PROMPTS[: integer_max_tokens(dtype) - 1]
     native, modules = both_ways(engine, prompts)
     engine.runner.model.backend.activation_dtype = FLOAT32
     decoder.int8_max_tokens = 0
@@ -149,7 +149,7 @@ def assert_integer_path_follows_the_modules(engine: LLMEngine, dtype: str) -> No
         float32, _ = both_ways(engine, prompts)
     finally:
         engine.runner.model.backend.activation_dtype = dtype
-        decoder.int8_max_tokens = INT8_MAX_TOKENS
+        decoder.int8_max_tokens = integer_max_tokens(dtype)
     for i in native:
         assert native[i][0] == modules[i][0]
         assert native[i][1] == pytest.approx(modules[i][1], abs=1e-2 if dtype == "int8" else 1e-4)
@@ -172,3 +172,21 @@ def test_native_forward_takes_integer_activations_with_k_quants(
 ) -> None:
     engine = LLMEngine(EngineConfig(model=str(k_quant_sized_llama), quantization=qtype, activation_dtype=dtype))
     assert_integer_path_follows_the_modules(engine, dtype)
+
+
+def test_smollm2_decodes_eight_streams_on_int16_tiles_as_on_float32() -> None:
+    """The embedded SmolLM2 (its GGUF as stored), eight streams: decode steps of eight tokens, one whole tile of
+    csrc/int16_dot.c, on 16-bit activations give the float32 path's greedy tokens, with logprobs within x's
+    rounding but not equal to them (the integer kernels did run)."""
+    engine = LLMEngine(EngineConfig(activation_dtype="int16"))
+    decoder = engine.runner.model.native_decoder
+    assert decoder is not None and decoder.int8_max_tokens > 8
+    prompts = [list(range(200 + 37 * i, 206 + 41 * i)) for i in range(8)]
+    int16 = generate(engine, prompts)
+    engine.runner.model.backend.activation_dtype = FLOAT32
+    decoder.int8_max_tokens = 0
+    float32 = generate(engine, prompts)
+    for i in int16:
+        assert int16[i][0] == float32[i][0]
+        assert int16[i][1] == pytest.approx(float32[i][1], abs=2e-2)
+        assert int16[i][1] != pytest.approx(float32[i][1], abs=1e-7)

@@ -20,10 +20,10 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.kernels.cpu_native import EXTRA_CFLAGS_VARIABLE, native_function
 from pagedserve.kernels.int8_reference import dequantize_activations, int8_linear_reference, quantize_activations
 from pagedserve.kernels.quantized import (
-    INT8_MAX_TOKENS,
     QuantizedWeight,
     int8_formats,
     int8_linear_kernel,
+    integer_max_tokens,
     quantize,
     quantized_linear,
 )
@@ -31,7 +31,7 @@ from tests.test_kernels_quantized import random_weight
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 QTYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
-TOKENS = (1, 2, 5, 15)  # the kernel takes any count; quantized_linear gives it fewer than INT8_MAX_TOKENS
+TOKENS = (1, 2, 5, 8, 15)  # any count: tiles of 8 tokens (csrc/int16_dot.c), whole and cut short
 BITS = (8, 16)
 DTYPES = {8: "int8", 16: "int16"}
 NARROWER_BUILDS = {"avx2": "-mno-avx512f", "portable": "-mno-avx"}
@@ -58,7 +58,7 @@ def integer_product(
     bits: int = 8,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The C kernel's product at any token count (quantized_linear takes it below INT8_MAX_TOKENS)."""
+    """The C kernel's product at any token count (quantized_linear takes it below integer_max_tokens)."""
     kernel = int8_linear_kernel(sixteen_bits=bits == 16)
     assert kernel is not None
     return kernel(x, weight, bias, torch.empty(x.shape[0], weight.shape[0]) if out is None else out)
@@ -127,12 +127,24 @@ def test_integer_kernel_is_the_reference(qtype: str, tokens: int, bits: int) -> 
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("tokens", (4, 12))
+def test_int16_tiles_are_the_reference_on_odd_rows_and_partial_tiles(qtype: str, tokens: int) -> None:
+    """37 rows: the 32-weight formats' tiles of two rows end on a row alone; 4 and 12 tokens: tiles of four tokens
+    summed together, and a tile of eight followed by one of four."""
+    weight, x = weight_of(qtype, out_features=37), activations(tokens)
+    bias = torch.randn(37)
+    expected = int8_linear_reference(x, weight, bias, bits=16)
+    out = integer_product(x, weight, bias, bits=16)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("qtype", ("q4_0", "q4_k"))
 def test_integer_kernel_writes_either_layout_and_reads_feature_major_x(qtype: str, bits: int) -> None:
     weight, x = weight_of(qtype), activations(2)
     out = torch.empty(weight.shape[0], 2).t()  # feature-major, as the CPU backend asks
-    quantized_linear(x.t().contiguous().t(), weight, out=out, activation_dtype=DTYPES[bits])  # 2 < INT8_MAX_TOKENS
+    quantized_linear(x.t().contiguous().t(), weight, out=out, activation_dtype=DTYPES[bits])  # 2: integer
     torch.testing.assert_close(out, int8_linear_reference(x, weight, bits=bits), rtol=1e-5, atol=1e-4)
 
 
@@ -151,9 +163,11 @@ def test_integer_kernel_is_the_float_path_within_the_error_of_quantizing_x(
 
 def test_float32_and_many_tokens_take_the_float_path() -> None:
     weight = weight_of("q4_0")
-    few, many = activations(2), activations(INT8_MAX_TOKENS)
+    few = activations(2)
     assert torch.equal(quantized_linear(few, weight, activation_dtype="float32"), quantized_linear(few, weight))
-    assert torch.equal(quantized_linear(many, weight, activation_dtype="int8"), quantized_linear(many, weight))
+    for dtype in DTYPES.values():
+        many = activations(integer_max_tokens(dtype))
+        assert torch.equal(quantized_linear(many, weight, activation_dtype=dtype), quantized_linear(many, weight))
     with pytest.raises(ValueError, match="activation_dtype must be one of"):
         quantized_linear(few, weight, activation_dtype="int4")
 

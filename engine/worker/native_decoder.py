@@ -9,8 +9,8 @@ takes (decode rows, and prefill chunks of sequences the kernel attends faster th
 MAX_TOKENS tokens, which bounds the step's scratch memory. Elsewhere the model's modules run as before.
 
 Both paths multiply with the activations the backend's `activation_dtype` names (EngineConfig.activation_dtype,
-set by `use_activation_dtype`): 8- or 16-bit ones for steps of fewer than INT8_MAX_TOKENS tokens where it says
-int8 or int16.
+set by `use_activation_dtype`): 8- or 16-bit ones for steps of fewer than integer_max_tokens(dtype) tokens
+(kernels/quantized.py) where it says int8 or int16.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pagedserve.kernels.backend import KernelBackend
 from pagedserve.kernels.cpu_attention import plan_attention
 from pagedserve.kernels.cpu_backend import CpuBackend
 from pagedserve.kernels.cpu_native import VECTOR_LANES, native_function
-from pagedserve.kernels.quantized import FORMATS, INT8_MAX_TOKENS, QuantizedWeight, int8_linear_kernel
+from pagedserve.kernels.quantized import FORMATS, QuantizedWeight, int8_linear_kernel, integer_max_tokens
 from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class CpuDecoder:
             scale=attention.scale,
             layers=self._layers,
             final_norm=model.norm.weight.data_ptr(),
-            int8_max_tokens=0 if activation_dtype == "float32" else INT8_MAX_TOKENS,
+            int8_max_tokens=integer_max_tokens(activation_dtype),
             activation_bits=16 if activation_dtype == "int16" else 8,
         )
 

@@ -1,193 +1,261 @@
 /*
- * Row dots of every block format with a token quantized to 16 bits (int8_activations.h's q16_token): the sums
- * of int8_dot_blocks.c and int8_dot_kquants.c, term for term, with x's integers to 1 part in 32767 of each
+ * Tile dots of every block format with tokens quantized to 16 bits (int8_activations.h's q16_token), AVX2: the
+ * sums of int8_dot_blocks.c and int8_dot_kquants.c, term for term, with x's integers to 1 part in 32767 of each
  * block's largest, where 8 bits keep 1 in 127. The weights widen to int16 and meet x in pair products
- * (vpmaddwd, or VNNI's vpdpwssd): no sign trick, as both sides are signed, at a few more instructions a block.
+ * (vpmaddwd, or VNNI's vpdpwssd): no sign trick, as both sides are signed.
+ *
+ * A tile is a row (two, for the 32-weight formats) against up to TILE_TOKENS tokens. Each weight block is
+ * unpacked to int16 lanes once for all of them, where a token at a time unpacked it again for each (the
+ * unpacking costs as much as the products); four tokens' dots are summed across lanes together and scaled in one
+ * four-lane multiply-add. One token is a tile of one. Without AVX2: int16_dot_portable.c.
  */
-#include <stdint.h>
-#include <string.h>
-
 #include "half_float.h"
-#include "int8_activations.h"
-
-enum { QK_K = 256, GROUPS = QK_K / Q8_BLOCK };
-enum format { Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K };
-static const int64_t BLOCK_BYTES[] = {34, 18, 20, 144, 176, 210};
-
-/* Q4_K's and Q5_K's 6-bit scales and mins (int8_dot_kquants.c's unpack_scales). */
-static inline void unpack_scales(const uint8_t *packed_bytes, uint8_t scales[GROUPS], uint8_t mins[GROUPS]) {
-    uint32_t packed[3];
-    memcpy(packed, packed_bytes, sizeof packed);
-    const uint32_t six = 0x3F3F3F3Fu, nibble = 0x0F0F0F0Fu, two = 0x03030303u;
-    const uint32_t words[4] = {packed[0] & six, (packed[2] & nibble) | ((packed[0] >> 6) & two) << 4,
-                               packed[1] & six, ((packed[2] >> 4) & nibble) | ((packed[1] >> 6) & two) << 4};
-    memcpy(scales, words, GROUPS);
-    memcpy(mins, words + 2, GROUPS);
-}
+#include "int16_formats.h"
 
 #ifdef INT8_AVX2
-/* A 32-weight block's integers (Q4's nibbles as they are) times x's block, as eight int32 partial sums. */
-static inline __attribute__((always_inline)) __m256i block_dot(const uint8_t *block, const int16_t *x,
-                                                               const enum format format) {
+/* A 32-weight block's integers as two vectors of 16 int16 (weights 0-15, then 16-31): Q4_0's nibbles less 8, so
+ * that its offset needs no term of its own; Q4_1's as they are (its m term is added per token). */
+static inline __attribute__((always_inline)) void unpack_block(const uint8_t *block, const enum format format,
+                                                               __m256i w[2]) {
     if (format == Q8_0) {
-        const __m256i low = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 2)));
-        const __m256i high = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 18)));
-        return dot_i16(dot_i16(_mm256_setzero_si256(), low, x), high, x + 16);
+        w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 2)));
+        w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 18)));
+        return;
     }
     const __m128i packed = _mm_loadu_si128((const __m128i *)(block + (format == Q4_1 ? 4 : 2)));
     const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m256i low = _mm256_cvtepu8_epi16(_mm_and_si128(packed, nibble));
-    const __m256i high = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
-    return dot_i16(dot_i16(_mm256_setzero_si256(), low, x), high, x + 16);
+    w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(packed, nibble));
+    w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
+    if (format == Q4_0) {
+        w[0] = _mm256_sub_epi16(w[0], _mm256_set1_epi16(8));
+        w[1] = _mm256_sub_epi16(w[1], _mm256_set1_epi16(8));
+    }
 }
 
-static inline __attribute__((always_inline)) float row_dot_32(const uint8_t *row, const q16_token *x,
-                                                              int64_t blocks, const enum format format) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float offsets = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *block = row + b * BLOCK_BYTES[format];
-        const float dw = half_to_float(block);
-        const __m256 dot = _mm256_cvtepi32_ps(block_dot(block, x->q + b * Q8_BLOCK, format));
-        if (b % 2)
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->d[b]), dot, acc1);
-        else
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->d[b]), dot, acc0);
-        if (format == Q4_0) offsets -= 8.0f * dw * x->s[b];
-        if (format == Q4_1) offsets += half_to_float(block + 2) * x->s[b];
-    }
-    return sum_lanes(_mm256_add_ps(acc0, acc1)) + offsets;
-}
-
-static inline __attribute__((always_inline)) float row_dot_k(const uint8_t *row, const q16_token *x, int64_t blocks,
-                                                             const enum format format) {
-    __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
-    const __m256i low_nibbles = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1), two_bits = _mm256_set1_epi8(3);
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *block = row + b * BLOCK_BYTES[format];
-        const int16_t *xq = x->q + b * QK_K;
-        const float *xd = x->d + b * GROUPS;
-        if (format == Q6_K) {
-            const int8_t *sc = (const int8_t *)(block + 192);
-            const float d = half_to_float(block + 208);
-#pragma GCC unroll 8
-            for (int j = 0; j < GROUPS; ++j) {
-                const int half = j / 4, s = j % 4;
-                const __m256i low = _mm256_loadu_si256((const __m256i *)(block + 64 * half + 32 * (s % 2)));
-                const __m256i high = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * half));
-                const __m256i nibble = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(low, 4) : low, low_nibbles);
-                const __m256i top = _mm256_and_si256(s > 0 ? _mm256_srli_epi16(high, 2 * s) : high, two_bits);
-                const __m256i value = _mm256_or_si256(nibble, _mm256_slli_epi16(top, 4));
-                /* (q - 32) * scale per 16-weight half, in int16 (|.| <= 32 * 128), then times x. */
-                const __m256i thirty_two = _mm256_set1_epi16(32);
-                const __m256i first = _mm256_mullo_epi16(
-                    _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(value)), thirty_two),
-                    _mm256_set1_epi16(sc[2 * j]));
-                const __m256i second = _mm256_mullo_epi16(
-                    _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(value, 1)), thirty_two),
-                    _mm256_set1_epi16(sc[2 * j + 1]));
-                const __m256i dot = dot_i16(dot_i16(_mm256_setzero_si256(), first, xq + 32 * j), second, xq + 32 * j + 16);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[j]), _mm256_cvtepi32_ps(dot), acc);
-            }
-            continue;
-        }
-        const uint8_t *qs = block + (format == Q5_K ? 48 : 16);
-        uint8_t sc[GROUPS], m[GROUPS];
-        unpack_scales(block + 4, sc, m);
-        float scale[GROUPS];
-        const __m256 sc_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
-        const __m256 m_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)));
-        _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(block)), sc_floats),
-                                              _mm256_loadu_ps(xd)));
-        offsets = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(block + 2)), m_floats),
-                                  _mm256_loadu_ps(x->s + b * GROUPS), offsets);
-        const __m256i high_bits = format == Q5_K ? _mm256_loadu_si256((const __m256i *)(block + 16)) : one;
-#pragma GCC unroll 4
-        for (int i = 0; i < GROUPS / 2; ++i) {
-            const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
-            __m256i even = _mm256_and_si256(packed, low_nibbles);
-            __m256i odd = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
-            if (format == Q5_K) {
-                const __m256i bits = _mm256_srli_epi16(high_bits, 2 * i);
-                even = _mm256_or_si256(even, _mm256_slli_epi16(_mm256_and_si256(bits, one), 4));
-                odd = _mm256_or_si256(odd, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits, 1), one), 4));
-            }
-            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(scale + 2 * i),
-                                  _mm256_cvtepi32_ps(dot_u8_s16(even, xq + 64 * i)), acc);
-            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(scale + 2 * i + 1),
-                                  _mm256_cvtepi32_ps(dot_u8_s16(odd, xq + 64 * i + 32)), acc);
-        }
-    }
-    return sum_lanes(acc) - sum_lanes(offsets);
-}
-#else
-/* Weight l of a 32-weight block, or of group j of a super-block, as an integer (Q6_K's less 32). */
-static inline __attribute__((always_inline)) int32_t weight_int(const uint8_t *block, int j, int l,
-                                                                const enum format format) {
-    switch (format) {
-    case Q8_0:
-        return ((const int8_t *)(block + 2))[l];
-    case Q4_0:
-    case Q4_1: {
-        const uint8_t byte = block[(format == Q4_1 ? 4 : 2) + l % 16];
-        return l < 16 ? byte & 0x0F : byte >> 4;
-    }
-    case Q6_K: {
+/* Group j (32 weights) of a K-quant super-block as two vectors of 16 int16: Q4_K's and Q5_K's unsigned integers,
+ * Q6_K's (q - 32) times each 16-weight half's scale (|.| <= 32 * 128). */
+static inline __attribute__((always_inline)) void unpack_group(const uint8_t *block, int j, const enum format format,
+                                                               __m256i w[2]) {
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+    if (format == Q6_K) {
+        const int8_t *sc = (const int8_t *)(block + 192);
         const int half = j / 4, s = j % 4;
-        const int nibble = (block[64 * half + 32 * (s % 2) + l] >> (4 * (s / 2))) & 0x0F;
-        return (nibble | ((block[128 + 32 * half + l] >> (2 * s)) & 3) << 4) - 32;
+        const __m256i low = _mm256_loadu_si256((const __m256i *)(block + 64 * half + 32 * (s % 2)));
+        const __m256i high = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * half));
+        const __m256i nibble = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(low, 4) : low, low_nibbles);
+        const __m256i top = _mm256_and_si256(s > 0 ? _mm256_srli_epi16(high, 2 * s) : high, _mm256_set1_epi8(3));
+        const __m256i value = _mm256_or_si256(nibble, _mm256_slli_epi16(top, 4));
+        const __m256i thirty_two = _mm256_set1_epi16(32);
+        w[0] = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(value)), thirty_two),
+                                  _mm256_set1_epi16(sc[2 * j]));
+        w[1] = _mm256_mullo_epi16(
+            _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(value, 1)), thirty_two),
+            _mm256_set1_epi16(sc[2 * j + 1]));
+        return;
     }
-    default: {
-        const uint8_t *qs = block + (format == Q5_K ? 48 : 16);
-        const int nibble = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
-        return format == Q5_K ? nibble | ((block[16 + l] >> j) & 1) << 4 : nibble;
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + (format == Q5_K ? 48 : 16) + 32 * (j / 2)));
+    __m256i value = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(packed, 4) : packed, low_nibbles);
+    if (format == Q5_K) { /* bit j of each of the 32 high-bit bytes */
+        const __m256i bits = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(block + 16)), j);
+        value = _mm256_or_si256(value, _mm256_slli_epi16(_mm256_and_si256(bits, _mm256_set1_epi8(1)), 4));
     }
+    w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(value));
+    w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(value, 1));
+}
+
+/* Four vectors' lane sums as one vector of four: tokens' dots summed across lanes four tokens at a time. */
+static inline __attribute__((always_inline)) __m128i four_sums(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i pairs = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+}
+
+static inline __attribute__((always_inline)) __m128 four_sums_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+/* 32 unpacked weights times x's 32 integers at xq, as eight int32 lanes. */
+static inline __attribute__((always_inline)) __m256i weights_dot(const __m256i w[2], const int16_t *xq) {
+    return dot_i16(dot_i16(_mm256_setzero_si256(), w[0], xq), w[1], xq + 16);
+}
+
+/*
+ * 32 unpacked weights against the T tokens' integers at q + at, each token's dot times scale * d[scale_at]. T a
+ * multiple of 4: four tokens' dots are summed across lanes together and scaled as one four-lane vector (acc4,
+ * one lane a token), a few instructions for four tokens where a token alone takes a conversion, a broadcast, a
+ * multiply and a multiply-add; Q6_K sums in float (its eight lanes' sum may pass int32). Else one eight-lane
+ * accumulator a token (acc).
+ */
+static inline __attribute__((always_inline)) void weights_terms(__m256 *acc, __m128 *acc4, const __m256i w[2],
+                                                                const q16_token *x, int64_t at, int64_t scale_at,
+                                                                float scale, const enum format format, const int T) {
+    if (T % 4 == 0) {
+#pragma GCC unroll 4
+        for (int g = 0; g < T / 4; ++g) {
+            const q16_token *four = x + 4 * g;
+            __m256i dots[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) dots[i] = weights_dot(w, four[i].q + at);
+            const __m128 sums =
+                format == Q6_K ? four_sums_ps(_mm256_cvtepi32_ps(dots[0]), _mm256_cvtepi32_ps(dots[1]),
+                                              _mm256_cvtepi32_ps(dots[2]), _mm256_cvtepi32_ps(dots[3]))
+                               : _mm_cvtepi32_ps(four_sums(dots[0], dots[1], dots[2], dots[3]));
+            const __m128 scales = _mm_setr_ps(four[0].d[scale_at], four[1].d[scale_at], four[2].d[scale_at],
+                                              four[3].d[scale_at]);
+            acc4[g] = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(scale), scales), sums, acc4[g]);
+        }
+        return;
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) {
+        const __m256 token_scale = _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_broadcast_ss(x[t].d + scale_at));
+        acc[t] = _mm256_fmadd_ps(token_scale, _mm256_cvtepi32_ps(weights_dot(w, x[t].q + at)), acc[t]);
     }
 }
 
-static inline __attribute__((always_inline)) float row_dot_32(const uint8_t *row, const q16_token *x,
-                                                              int64_t blocks, const enum format format) {
-    float sum = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *block = row + b * BLOCK_BYTES[format];
-        int32_t dot = 0;
-        for (int l = 0; l < Q8_BLOCK; ++l) dot += weight_int(block, 0, l, format) * x->q[b * Q8_BLOCK + l];
-        const float dw = half_to_float(block);
-        sum += dw * x->d[b] * (float)dot;
-        if (format == Q4_0) sum -= 8.0f * dw * x->s[b];
-        if (format == Q4_1) sum += half_to_float(block + 2) * x->s[b];
-    }
-    return sum;
+/* A tile's accumulators: one set or the other, as weights_terms fills them. */
+typedef struct {
+    __m256 lanes[TILE_TOKENS];
+    __m128 fours[TILE_TOKENS / 4];
+    float offsets[TILE_TOKENS];
+} tile_sums;
+
+static inline __attribute__((always_inline)) void tile_start(tile_sums *a, const int T) {
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) a->lanes[t] = _mm256_setzero_ps(), a->offsets[t] = 0.0f;
+#pragma GCC unroll 4
+    for (int g = 0; g < T / 4; ++g) a->fours[g] = _mm_setzero_ps();
 }
 
-static inline __attribute__((always_inline)) float row_dot_k(const uint8_t *row, const q16_token *x, int64_t blocks,
-                                                             const enum format format) {
-    float sum = 0.0f;
+static inline __attribute__((always_inline)) void tile_finish(float *sums, const tile_sums *a, const int T) {
+    if (T % 4 == 0) {
+#pragma GCC unroll 4
+        for (int g = 0; g < T / 4; ++g) _mm_storeu_ps(sums + 4 * g, a->fours[g]);
+    } else {
+#pragma GCC unroll 16
+        for (int t = 0; t < T; ++t) sums[t] = sum_lanes(a->lanes[t]);
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) sums[t] += a->offsets[t];
+}
+
+/* Block b of a 32-weight format, unpacked once, against each of the T tokens. */
+static inline __attribute__((always_inline)) void block_terms(tile_sums *a, const uint8_t *block, const q16_token *x,
+                                                              int64_t b, const enum format format, const int T) {
+    __m256i w[2];
+    unpack_block(block, format, w);
+    weights_terms(a->lanes, a->fours, w, x, b * Q8_BLOCK, b, half_to_float(block), format, T);
+    if (format == Q4_1)
+#pragma GCC unroll 16
+        for (int t = 0; t < T; ++t) a->offsets[t] += half_to_float(block + 2) * x[t].s[b];
+}
+
+/* sums[t] = row . x[t] for T tokens (a constant once inlined, so that the accumulators live in registers). One
+ * token alternates two accumulators: the multiply-adds' latency, not their count, bounds one chain. */
+static inline __attribute__((always_inline)) void tile_32(const uint8_t *row, const q16_token *x, int64_t blocks,
+                                                          float *sums, const enum format format, const int T) {
+    tile_sums a, odd;
+    tile_start(&a, T);
+    tile_start(&odd, 1);
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        block_terms(&a, row + b * BLOCK_BYTES[format], x, b, format, T);
+        block_terms(T == 1 ? &odd : &a, row + (b + 1) * BLOCK_BYTES[format], x, b + 1, format, T);
+    }
+    if (b < blocks) block_terms(&a, row + b * BLOCK_BYTES[format], x, b, format, T);
+    if (T == 1) a.lanes[0] = _mm256_add_ps(a.lanes[0], odd.lanes[0]), a.offsets[0] += odd.offsets[0];
+    tile_finish(sums, &a, T);
+}
+
+/* tile_32 for two rows at once: each of x's vectors, loaded once, meets both rows' weights (the loads of x, two
+ * a token and block, bound one row's tile as much as its products do). */
+static inline __attribute__((always_inline)) void pair_32(const uint8_t *row, int64_t row_bytes, const q16_token *x,
+                                                          int64_t blocks, float *sums, const enum format format,
+                                                          const int T) {
+    tile_sums a, c;
+    tile_start(&a, T);
+    tile_start(&c, T);
+    for (int64_t b = 0; b < blocks; ++b) {
+        block_terms(&a, row + b * BLOCK_BYTES[format], x, b, format, T);
+        block_terms(&c, row + row_bytes + b * BLOCK_BYTES[format], x, b, format, T);
+    }
+    tile_finish(sums, &a, T);
+    tile_finish(sums + TILE_TOKENS, &c, T);
+}
+
+/* Q4_K's and Q5_K's mins term of super-block b, for every token: dmin * m . s, eight groups a multiply. */
+static inline __attribute__((always_inline)) void mins_terms(tile_sums *a, __m256 mins, const q16_token *x, int64_t b,
+                                                             const int T) {
+    if (T % 4 == 0) {
+#pragma GCC unroll 4
+        for (int g = 0; g < T / 4; ++g) {
+            const q16_token *four = x + 4 * g;
+            __m256 products[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) products[i] = _mm256_mul_ps(mins, _mm256_loadu_ps(four[i].s + b * GROUPS));
+            a->fours[g] = _mm_sub_ps(a->fours[g], four_sums_ps(products[0], products[1], products[2], products[3]));
+        }
+        return;
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) a->lanes[t] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(x[t].s + b * GROUPS), a->lanes[t]);
+}
+
+/* tile_32 for the K-quants: each group unpacked once a super-block for all T tokens. */
+static inline __attribute__((always_inline)) void tile_k(const uint8_t *row, const q16_token *x, int64_t blocks,
+                                                         float *sums, const enum format format, const int T) {
+    tile_sums a;
+    tile_start(&a, T);
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t *block = row + b * BLOCK_BYTES[format];
-        const int16_t *xq = x->q + b * QK_K;
-        uint8_t sc[GROUPS], m[GROUPS];
-        if (format != Q6_K) unpack_scales(block + 4, sc, m);
+        float group_scale[GROUPS];
+        if (format == Q6_K) {
+            for (int j = 0; j < GROUPS; ++j) group_scale[j] = half_to_float(block + 208);
+        } else {
+            uint8_t sc[GROUPS], m[GROUPS];
+            unpack_scales(block + 4, sc, m);
+            const __m256 sc_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+            const __m256 m_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)));
+            _mm256_storeu_ps(group_scale, _mm256_mul_ps(_mm256_set1_ps(half_to_float(block)), sc_floats));
+            mins_terms(&a, _mm256_mul_ps(_mm256_set1_ps(half_to_float(block + 2)), m_floats), x, b, T);
+        }
+#pragma GCC unroll 8
         for (int j = 0; j < GROUPS; ++j) {
-            int32_t dots[2] = {0, 0};
-            for (int l = 0; l < Q8_BLOCK; ++l) dots[l / 16] += weight_int(block, j, l, format) * xq[32 * j + l];
-            const float dx = x->d[b * GROUPS + j];
-            if (format == Q6_K) {
-                const int8_t *scales = (const int8_t *)(block + 192);
-                sum += half_to_float(block + 208) * dx * (float)(scales[2 * j] * dots[0] + scales[2 * j + 1] * dots[1]);
-            } else {
-                sum += half_to_float(block) * (float)sc[j] * dx * (float)(dots[0] + dots[1]);
-                sum -= half_to_float(block + 2) * (float)m[j] * x->s[b * GROUPS + j];
-            }
+            __m256i w[2];
+            unpack_group(block, j, format, w);
+            weights_terms(a.lanes, a.fours, w, x, b * QK_K + 32 * j, b * GROUPS + j, group_scale[j], format, T);
         }
     }
-    return sum;
+    tile_finish(sums, &a, T);
 }
-#endif
 
-float int16_dot_q8_0(const uint8_t *row, const q16_token *x, int64_t blocks) { return row_dot_32(row, x, blocks, Q8_0); }
-float int16_dot_q4_0(const uint8_t *row, const q16_token *x, int64_t blocks) { return row_dot_32(row, x, blocks, Q4_0); }
-float int16_dot_q4_1(const uint8_t *row, const q16_token *x, int64_t blocks) { return row_dot_32(row, x, blocks, Q4_1); }
-float int16_dot_q4_k(const uint8_t *row, const q16_token *x, int64_t blocks) { return row_dot_k(row, x, blocks, Q4_K); }
-float int16_dot_q5_k(const uint8_t *row, const q16_token *x, int64_t blocks) { return row_dot_k(row, x, blocks, Q5_K); }
-float int16_dot_q6_k(const uint8_t *row, const q16_token *x, int64_t blocks) { return row_dot_k(row, x, blocks, Q6_K); }
+/* The tile kernel of a format for T tokens. */
+static inline __attribute__((always_inline)) void tile_of(const uint8_t *row, int64_t row_bytes, int rows,
+                                                          const q16_token *x, int64_t blocks, float *sums,
+                                                          const enum format format, const int T) {
+    if (rows == 2 && format < Q4_K && T % 4 == 0) {
+        pair_32(row, row_bytes, x, blocks, sums, format, T);
+        return;
+    }
+    for (int r = 0; r < rows; ++r)
+        if (format >= Q4_K)
+            tile_k(row + r * row_bytes, x, blocks, sums + r * TILE_TOKENS, format, T);
+        else
+            tile_32(row + r * row_bytes, x, blocks, sums + r * TILE_TOKENS, format, T);
+}
+
+/* tile_of with T = tokens (1..TILE_TOKENS) made a constant: one copy of the loops per count. */
+static inline __attribute__((always_inline)) void tile(const uint8_t *row, int64_t row_bytes, int rows,
+                                                       const q16_token *x, int tokens, int64_t blocks, float *sums,
+                                                       const enum format format) {
+    switch (tokens) {
+#define TILE_CASE(T)                                                                                                 \
+    case T:                                                                                                          \
+        tile_of(row, row_bytes, rows, x, blocks, sums, format, T);                                                   \
+        return;
+        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
+#undef TILE_CASE
+    }
+}
+INT16_TILE_KERNELS
+#endif

@@ -47,11 +47,18 @@ void quantize_q16(int16_t *q, float *d, float *s, const float *x, int64_t K);
 
 /* A weight row of `blocks` blocks of its format times a quantized token: sum_k w[k] * d * q[k]. */
 typedef float int8_row_dot(const uint8_t *row, const q8_token *x, int64_t blocks);
-typedef float int16_row_dot(const uint8_t *row, const q16_token *x, int64_t blocks);
 
-/* The row dots of each format (int8_dot_blocks.c, int8_dot_kquants.c). */
+/* The row dots of each format with 8-bit tokens (int8_dot_blocks.c, int8_dot_kquants.c). */
 int8_row_dot int8_dot_q8_0, int8_dot_q4_0, int8_dot_q4_1, int8_dot_q4_k, int8_dot_q5_k, int8_dot_q6_k;
-int16_row_dot int16_dot_q8_0, int16_dot_q4_0, int16_dot_q4_1, int16_dot_q4_k, int16_dot_q5_k, int16_dot_q6_k;
+
+/* Tokens one call of a tile dot takes: eight float accumulators and a block's weights fit AVX2's 16 registers. */
+enum { TILE_TOKENS = 8 };
+
+/* `rows` (1 or 2) weight rows, row_bytes apart, times `tokens` (1..TILE_TOKENS) quantized tokens x[0..tokens):
+ * sums[r * TILE_TOKENS + t] = row r . x[t], each weight block unpacked once for all of them (int16_dot.c). */
+typedef void int16_tile_dot(const uint8_t *row, int64_t row_bytes, int rows, const q16_token *x, int tokens,
+                            int64_t blocks, float *sums);
+int16_tile_dot int16_tile_q8_0, int16_tile_q4_0, int16_tile_q4_1, int16_tile_q4_k, int16_tile_q5_k, int16_tile_q6_k;
 
 #ifdef INT8_AVX2
 /* The four-byte dot products of unsigned u and signed s, as eight int32 lanes (lane i: bytes 4i..4i+3). No

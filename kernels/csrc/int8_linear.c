@@ -20,18 +20,19 @@
 #include "int8_activations.h"
 #include "parallel.h"
 
-/* One weight format: ggml's type id, its block, and its row dots with 8- and 16-bit activations. */
+/* One weight format: ggml's type id, its block, its row dots with 8-bit activations and its tile dots with
+ * 16-bit ones. */
 typedef struct {
     int ggml_type;
     int64_t block_weights, block_bytes;
     int8_row_dot *dot8;
-    int16_row_dot *dot16;
+    int16_tile_dot *tile16;
 } int8_format;
 
 static const int8_format FORMATS[] = {
-    {8, 32, 34, int8_dot_q8_0, int16_dot_q8_0},    {2, 32, 18, int8_dot_q4_0, int16_dot_q4_0},
-    {3, 32, 20, int8_dot_q4_1, int16_dot_q4_1},    {12, 256, 144, int8_dot_q4_k, int16_dot_q4_k},
-    {13, 256, 176, int8_dot_q5_k, int16_dot_q5_k}, {14, 256, 210, int8_dot_q6_k, int16_dot_q6_k},
+    {8, 32, 34, int8_dot_q8_0, int16_tile_q8_0},    {2, 32, 18, int8_dot_q4_0, int16_tile_q4_0},
+    {3, 32, 20, int8_dot_q4_1, int16_tile_q4_1},    {12, 256, 144, int8_dot_q4_k, int16_tile_q4_k},
+    {13, 256, 176, int8_dot_q5_k, int16_tile_q5_k}, {14, 256, 210, int8_dot_q6_k, int16_tile_q6_k},
 };
 
 /* Weights a unit of parallel work holds at least when many tokens share each row (as block_rows.c). */
@@ -54,19 +55,33 @@ typedef struct {
     int64_t M, blocks, row_bytes;
 } int8_job;
 
-/* Output rows [begin, end), every token. */
+/* Rows [n, n + rows) times every 16-bit token, TILE_TOKENS at a time (a row is read from L1 for every tile but
+ * the first). */
+static void int16_rows(const int8_job *job, int64_t n, int rows) {
+    float sums[2 * TILE_TOKENS];
+    for (int64_t m = 0; m < job->M; m += TILE_TOKENS) {
+        const int tokens = job->M - m < TILE_TOKENS ? (int)(job->M - m) : TILE_TOKENS;
+        job->format->tile16(job->w + n * job->row_bytes, job->row_bytes, rows, job->tokens16 + m, tokens, job->blocks,
+                            sums);
+        for (int r = 0; r < rows; ++r)
+            for (int t = 0; t < tokens; ++t)
+                job->y[(n + r) * job->ldy_row + (m + t) * job->ldy_token] =
+                    sums[r * TILE_TOKENS + t] + (job->bias ? job->bias[n + r] : 0.0f);
+    }
+}
+
+/* Output rows [begin, end), every token: 16-bit tokens two rows at a time, 8-bit ones a row and token at a time. */
 static void int8_rows(void *context, int64_t begin, int64_t end) {
     const int8_job *job = context;
+    if (job->tokens16) {
+        for (int64_t n = begin; n < end; n += 2) int16_rows(job, n, end - n >= 2 ? 2 : 1);
+        return;
+    }
     for (int64_t n = begin; n < end; ++n) {
         const uint8_t *row = job->w + n * job->row_bytes;
         const float bias = job->bias ? job->bias[n] : 0.0f;
-        float *y = job->y + n * job->ldy_row;
-        if (job->tokens16)
-            for (int64_t m = 0; m < job->M; ++m)
-                y[m * job->ldy_token] = job->format->dot16(row, job->tokens16 + m, job->blocks) + bias;
-        else
-            for (int64_t m = 0; m < job->M; ++m)
-                y[m * job->ldy_token] = job->format->dot8(row, job->tokens8 + m, job->blocks) + bias;
+        for (int64_t m = 0; m < job->M; ++m)
+            job->y[n * job->ldy_row + m * job->ldy_token] = job->format->dot8(row, job->tokens8 + m, job->blocks) + bias;
     }
 }
 
