@@ -19,7 +19,7 @@ from pagedserve.engine.worker.model_loader import load_model
 from pagedserve.engine.worker.models.gemma import GemmaForCausalLM
 from pagedserve.kernels.quantized import QuantizedWeight, quantize
 from pagedserve.kernels.quantized_reference import dequantize
-from tests.test_kquants import add_tokenizer
+from tests.gguf_writing import close_writer, gguf_name, greedy_reference, new_writer, own_cache
 
 WINDOW = 8
 COMMON = dict(
@@ -68,40 +68,29 @@ def write_gguf(path: Path, family: str, smol_dir: Path) -> transformers.PreTrain
     config._attn_implementation = "eager"  # the implementation that soft-caps
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    writer = gguf.GGUFWriter(path, family)
+    writer = new_writer(path, family, config, smol_dir)
     _write_settings(writer, config)
-    add_tokenizer(writer, smol_dir)
     state = model.state_dict()
     for name, tensor in state.items():
         if name == "lm_head.weight":
             continue  # tied
+        stored_name = gguf_name(name, GGUF_NAMES)
         if tensor.dim() == 2:
             blocks = quantize(tensor.float(), "q8_0")
-            writer.add_tensor(_gguf_name(name), blocks.blocks.numpy(), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(stored_name, blocks.blocks.numpy(), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             state[name] = dequantize(blocks)
         else:
             state[name] = torch.randn_like(tensor)
-            writer.add_tensor(_gguf_name(name), (state[name] + 1).numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            writer.add_tensor(stored_name, (state[name] + 1).numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
+    close_writer(writer)
     model.load_state_dict(state)
     return model.eval()
 
 
 def _write_settings(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig) -> None:
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_sliding_window(config.sliding_window)
-    writer.add_vocab_size(config.vocab_size)
     writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if config.model_type == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
@@ -112,15 +101,6 @@ def _write_settings(writer: gguf.GGUFWriter, config: transformers.PretrainedConf
         writer.add_rope_scaling_factor(config.rope_parameters["full_attention"]["factor"])
 
 
-def _gguf_name(name: str) -> str:
-    if name == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if name == "model.norm.weight":
-        return "output_norm.weight"
-    parts = name.split(".")  # model.layers.N.<module>.weight
-    return f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def gemma_file(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smol_dir: Path
@@ -128,20 +108,14 @@ def gemma_file(
     folder = tmp_path_factory.mktemp(request.param)
     path = folder / f"tiny-{request.param}-q8_0.gguf"
     model = write_gguf(path, request.param, smol_dir)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PAGEDSERVE_CACHE_DIR", str(folder / "cache"))
+    with own_cache(folder):
         yield path, model
 
 
 def test_greedy_tokens_equal_transformers_on_the_same_weights(gemma_file) -> None:
     path, reference = gemma_file
     prompts = [list(range(100, 112)), list(range(300, 340))]  # both longer than the window
-    expected = []
-    with torch.no_grad():
-        for prompt in prompts:
-            output = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-            expected.append(output[0, len(prompt) :].tolist())
-    assert all(len(set(tokens)) > 3 for tokens in expected), "a model that repeats one token would test little"
+    expected = greedy_reference(reference, prompts)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     config = EngineConfig(model=str(path), num_kv_blocks=32, engine_process=False, activation_dtype="float32")
     loaded = load_model(config)

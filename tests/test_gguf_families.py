@@ -16,7 +16,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.model_loader import load_model
 from pagedserve.kernels.quantized import QuantizedWeight, quantize
-from tests.test_kquants import add_tokenizer
+from tests.gguf_writing import close_writer, gguf_name, greedy_reference, new_writer, own_cache
 
 COMMON = dict(
     hidden_size=256,
@@ -59,38 +59,19 @@ def gguf_tensors(config: transformers.PretrainedConfig) -> Iterator[tuple[str, n
         if name == "lm_head.weight":
             continue  # tied
         values = tensor.detach().float()
-        if name == "model.embed_tokens.weight":
-            gguf_name = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gguf_name = "output_norm.weight"
-        else:
-            parts = name.split(".")  # model.layers.N.<module>.<weight or bias>
-            gguf_name = f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
         if values.dim() == 2:
-            yield gguf_name, quantize(values, "q8_0").blocks.numpy(), gguf.GGMLQuantizationType.Q8_0
+            yield gguf_name(name, GGUF_NAMES), quantize(values, "q8_0").blocks.numpy(), gguf.GGMLQuantizationType.Q8_0
         else:
-            yield gguf_name, values.numpy(), gguf.GGMLQuantizationType.F32
+            yield gguf_name(name, GGUF_NAMES), values.numpy(), gguf.GGMLQuantizationType.F32
 
 
 def write_gguf(path: Path, family: str, smol_dir: Path) -> None:
     config = FAMILIES[family]()
-    writer = gguf.GGUFWriter(path, family)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = new_writer(path, family, config, smol_dir)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_vocab_size(config.vocab_size)
-    add_tokenizer(writer, smol_dir)
     for name, data, qtype in gguf_tensors(config):
         writer.add_tensor(name, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_writer(writer)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -100,8 +81,7 @@ def family_file(
     folder = tmp_path_factory.mktemp(request.param)
     path = folder / f"tiny-{request.param}-q8_0.gguf"
     write_gguf(path, request.param, smol_dir)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PAGEDSERVE_CACHE_DIR", str(folder / "cache"))
+    with own_cache(folder):
         yield path
 
 
@@ -110,11 +90,7 @@ def test_greedy_tokens_equal_transformers_reading_the_same_file(family_file: Pat
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         family_file.parent, gguf_file=family_file.name, dtype=torch.float32
     )
-    expected = []
-    for prompt in prompts:
-        output = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-        expected.append(output[0, len(prompt) :].tolist())
-    assert all(len(set(tokens)) > 3 for tokens in expected), "a model that repeats one token would test little"
+    expected = greedy_reference(reference, prompts)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     config = EngineConfig(model=str(family_file), num_kv_blocks=32, engine_process=False, activation_dtype="float32")
     loaded = load_model(config)

@@ -4,7 +4,6 @@ the reference, and a tiny Llama written as a mixed Q4_K/Q6_K GGUF (as a Q4_K_M f
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import shutil
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from pagedserve.kernels.quantized import (
     quantized_linear,
 )
 from pagedserve.kernels.stacked_weight import RowStackedWeight
+from tests.gguf_writing import close_writer, new_writer, own_cache
 from tests.test_kernels_quantized import assert_matches_reference, random_weight
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
@@ -171,7 +171,6 @@ TENSOR_TYPES = {
     "blk.1.attn_output": "TQ2_0",
     "token_embd": "Q6_K",
 }
-SPECIAL_TOKENS = 17  # SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>, ...
 HF_NAMES = {**PART_MODULES, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 EXPECTED_QTYPES = {  # our projections as stored blocks; the others stay float
     "layers.0.self_attn.o_proj": "q4_k",
@@ -182,24 +181,6 @@ EXPECTED_QTYPES = {  # our projections as stored blocks; the others stay float
     "layers.1.mlp.down_proj": "q4_k",
     "lm_head": "q6_k",
 }
-
-
-def add_tokenizer(writer: gguf.GGUFWriter, smol_dir: Path) -> None:
-    """SmolLM2's byte-level BPE tokenizer cut to its first vocab_size tokens and the merges among them: a small
-    embedding, and a GGUF that transformers converts in seconds."""
-    model = json.loads((smol_dir / "tokenizer.json").read_text())["model"]
-    tokens = sorted((i, token) for token, i in model["vocab"].items() if i < TINY["vocab_size"])
-    kept = {token for _, token in tokens}
-    merges = [f"{a} {b}" for a, b in model["merges"] if a in kept and b in kept and a + b in kept]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list([token for _, token in tokens])
-    writer.add_token_types([3 if i < SPECIAL_TOKENS else 1 for i, _ in tokens])  # 3: control
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.add_pad_token_id(2)
 
 
 def tiny_llama_tensors() -> dict[str, np.ndarray]:
@@ -226,24 +207,12 @@ def encoded(name: str, weight: np.ndarray, types: dict[str, str]) -> tuple[np.nd
 
 
 def write_tiny_gguf(path: Path, smol_dir: Path, types: dict[str, str] = TENSOR_TYPES) -> None:
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(TINY["num_hidden_layers"])
-    writer.add_context_length(TINY["max_position_embeddings"])
-    writer.add_embedding_length(TINY["hidden_size"])
-    writer.add_feed_forward_length(TINY["intermediate_size"])
-    writer.add_head_count(TINY["num_attention_heads"])
-    writer.add_head_count_kv(TINY["num_key_value_heads"])
+    writer = new_writer(path, "llama", transformers.LlamaConfig(**TINY), smol_dir)
     writer.add_rope_dimension_count(TINY["hidden_size"] // TINY["num_attention_heads"])
-    writer.add_layer_norm_rms_eps(TINY["rms_norm_eps"])
-    writer.add_vocab_size(TINY["vocab_size"])
-    add_tokenizer(writer, smol_dir)
     for name, weight in tiny_llama_tensors().items():
         data, qtype = encoded(name, weight, types)
         writer.add_tensor(f"{name}.weight", data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_writer(writer)
 
 
 @pytest.fixture(scope="module")
@@ -252,8 +221,7 @@ def q4_k_m_file(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Ite
     folder = tmp_path_factory.mktemp("q4_k_m")
     path = folder / "tiny-q4_k_m.gguf"
     write_tiny_gguf(path, smol_dir)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PAGEDSERVE_CACHE_DIR", str(folder / "cache"))
+    with own_cache(folder):
         yield path
 
 

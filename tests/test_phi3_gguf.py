@@ -16,8 +16,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.model_loader import load_model
 from pagedserve.kernels.quantized import QuantizedWeight, dequantize, quantize
+from tests.gguf_writing import close_writer, gguf_name, greedy_reference, new_writer, own_cache
 from tests.test_gguf_families import COMMON, GGUF_NAMES, gguf_tensors
-from tests.test_kquants import add_tokenizer
 from tests.test_tensor_parallel import assert_same, engine_for, run_alone, workload
 
 PROMPTS = [list(range(100, 108)), list(range(300, 340))]
@@ -32,29 +32,13 @@ def write_phi3_gguf(path: Path, smol_dir: Path) -> None:
     writer = _writer(path, config, smol_dir)
     for name, data, qtype in gguf_tensors(config):
         writer.add_tensor(name, data, raw_dtype=qtype)
-    _finish(writer)
+    close_writer(writer)
 
 
 def _writer(path: Path, config: transformers.Phi3Config, smol_dir: Path) -> gguf.GGUFWriter:
-    writer = gguf.GGUFWriter(path, "phi3")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = new_writer(path, "phi3", config, smol_dir)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_vocab_size(config.vocab_size)
-    add_tokenizer(writer, smol_dir)
     return writer
-
-
-def _finish(writer: gguf.GGUFWriter) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +46,7 @@ def phi3_file(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Itera
     folder = tmp_path_factory.mktemp("phi3-gguf")
     path = folder / "tiny-phi3-q8_0.gguf"
     write_phi3_gguf(path, smol_dir)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PAGEDSERVE_CACHE_DIR", str(folder / "cache"))
+    with own_cache(folder):
         yield path
 
 
@@ -71,11 +54,7 @@ def test_greedy_tokens_equal_transformers_reading_the_same_file(phi3_file: Path)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         phi3_file.parent, gguf_file=phi3_file.name, dtype=torch.float32
     )
-    expected = []
-    for prompt in PROMPTS:
-        output = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-        expected.append(output[0, len(prompt) :].tolist())
-    assert all(len(set(tokens)) > 3 for tokens in expected), "a model that repeats one token would test little"
+    expected = greedy_reference(reference, PROMPTS)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     config = EngineConfig(model=str(phi3_file), num_kv_blocks=32, engine_process=False, activation_dtype="float32")
     loaded = load_model(config)
@@ -131,10 +110,10 @@ def write_phi4_mini_gguf(path: Path, model: transformers.PreTrainedModel, smol_d
             continue  # tied
         if blocks and tensor.dim() == 2:
             data = quantize(tensor.float(), "q8_0").blocks.numpy()
-            writer.add_tensor(_gguf_name(name), data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name(name, GGUF_NAMES), data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
-            writer.add_tensor(_gguf_name(name), tensor.float().numpy())
-    _finish(writer)
+            writer.add_tensor(gguf_name(name, GGUF_NAMES), tensor.float().numpy())
+    close_writer(writer)
 
 
 def _rounded_to_q8_0(model: transformers.PreTrainedModel) -> None:
@@ -143,15 +122,6 @@ def _rounded_to_q8_0(model: transformers.PreTrainedModel) -> None:
         for parameter in model.parameters():
             if parameter.dim() == 2:
                 parameter.copy_(dequantize(quantize(parameter.float(), "q8_0")))
-
-
-def _gguf_name(name: str) -> str:
-    if name == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if name == "model.norm.weight":
-        return "output_norm.weight"
-    parts = name.split(".")  # model.layers.N.<module>.weight
-    return f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
 @pytest.mark.parametrize("blocks", [False, True])
@@ -166,14 +136,9 @@ def test_phi4_mini_file_rotates_as_the_model_it_was_written_from(tmp_path: Path,
     path = tmp_path / "tiny-phi4-mini.gguf"
     write_phi4_mini_gguf(path, model, smol_dir, blocks)
     prompts = [list(range(100, 108)), list(range(300, 324)), list(range(500, 540))]
-    expected = []
-    with torch.no_grad():
-        for prompt in prompts:
-            output = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-            expected.append(output[0, len(prompt) :].tolist())
+    expected = greedy_reference(model, prompts)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with own_cache(tmp_path):
         config = EngineConfig(model=str(path), num_kv_blocks=32, engine_process=False, activation_dtype="float32")
         loaded = load_model(config)
         assert loaded.spec.long_rope_threshold == SWITCH
