@@ -1,6 +1,7 @@
-"""A Qwen3-MoE GGUF file (llama.cpp's qwen3moe layout, written with gguf-py from a random transformers model)
-served from the file: its experts' 3-D tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps) kept as Q8_0
-blocks, one weight per expert, and greedy tokens equal to transformers' on the dequantized model."""
+"""Qwen3-MoE and Mixtral GGUF files (llama.cpp's qwen3moe layout, and Mixtral's: a "llama" file with experts and
+q/k rows permuted as llama.cpp's converter does), written with gguf-py from random transformers models, served
+from the file: the experts' 3-D tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps) kept as Q8_0 blocks, one
+weight per expert, and greedy tokens equal to transformers' on the dequantized model."""
 
 from __future__ import annotations
 
@@ -19,23 +20,30 @@ from pagedserve.engine.worker.model_loader import load_model
 from pagedserve.kernels.quantized import QuantizedWeight, dequantize, quantize
 from tests.gguf_writing import close_writer, greedy_reference, new_writer, own_cache
 
-CONFIG = dict(
+COMMON = dict(
     hidden_size=256,
-    intermediate_size=512,
-    moe_intermediate_size=64,
-    num_experts=4,
     num_experts_per_tok=2,
-    norm_topk_prob=True,  # what transformers assumes for a qwen3moe GGUF (llama.cpp's convention)
     num_hidden_layers=2,
     num_attention_heads=2,
     num_key_value_heads=1,
-    head_dim=128,
     max_position_embeddings=2048,
     vocab_size=4096,  # the first tokens of SmolLM2's tokenizer (add_tokenizer)
     rms_norm_eps=1e-6,
     initializer_range=0.1,  # varied greedy tokens
     tie_word_embeddings=True,
 )
+CONFIG = dict(  # Qwen3-MoE's
+    COMMON,
+    intermediate_size=512,
+    moe_intermediate_size=64,
+    num_experts=4,
+    norm_topk_prob=True,  # what transformers assumes for a qwen3moe GGUF (llama.cpp's convention)
+    head_dim=128,
+)
+FAMILIES = {  # GGUF architecture: the transformers config of a tiny random model
+    "qwen3moe": lambda: transformers.Qwen3MoeConfig(**CONFIG),
+    "llama": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=64, num_local_experts=4),
+}
 ROLES = {  # transformers' name inside layer N -> the GGUF tensor's role in block N
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -84,17 +92,18 @@ def gguf_tensors(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, str, np.
             yield name, f"{block}.{role}.{parts[-1]}", values.numpy(), (Q8_0 if quantized else F32)
 
 
-def write_gguf(path: Path, smol_dir: Path) -> transformers.PreTrainedModel:
+def write_gguf(path: Path, smol_dir: Path, arch: str = "qwen3moe") -> transformers.PreTrainedModel:
     """Writes the file; returns the transformers model with the weights the file dequantizes to."""
-    config = transformers.Qwen3MoeConfig(**CONFIG)
+    config = FAMILIES[arch]()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    writer = new_writer(path, "qwen3moe", config, smol_dir)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    writer.add_expert_count(config.num_experts)
+    writer = new_writer(path, arch, config, smol_dir)
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     dequantized: dict[str, list[torch.Tensor]] = {}
     for name, gguf_name, data, qtype in gguf_tensors(model.state_dict()):
@@ -103,6 +112,9 @@ def write_gguf(path: Path, smol_dir: Path) -> transformers.PreTrainedModel:
         else:
             weight = torch.from_numpy(data)
         dequantized.setdefault(name.partition("#")[0], []).append(weight)
+        if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
+            data = data[llama_cpp_row_order(data.shape[0], heads)]
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
     close_writer(writer)
     state = {name: parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) for name, parts in dequantized.items()}
@@ -110,13 +122,18 @@ def write_gguf(path: Path, smol_dir: Path) -> transformers.PreTrainedModel:
     return model
 
 
-@pytest.fixture(scope="module")
+def llama_cpp_row_order(rows: int, heads: int) -> np.ndarray:
+    """The rows llama.cpp's converter writes a Llama q or k weight in (each head's rotary halves interleaved)."""
+    return np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(-1)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
 def moe_file(
-    tmp_path_factory: pytest.TempPathFactory, smol_dir: Path
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smol_dir: Path
 ) -> Iterator[tuple[Path, transformers.PreTrainedModel]]:
-    folder = tmp_path_factory.mktemp("qwen3moe")
-    path = folder / "tiny-qwen3moe-q8_0.gguf"
-    reference = write_gguf(path, smol_dir)
+    folder = tmp_path_factory.mktemp(request.param)
+    path = folder / f"tiny-{request.param}-moe-q8_0.gguf"
+    reference = write_gguf(path, smol_dir, request.param)
     with own_cache(folder):
         yield path, reference
 
@@ -133,7 +150,8 @@ def test_experts_load_as_blocks_and_greedy_tokens_equal_transformers(moe_file) -
         isinstance(w, QuantizedWeight) and w.qtype == "q8_0"
         for w in [*experts.quantized.gate_up, *experts.quantized.down]
     )
-    assert experts.quantized.gate_up[0].shape == (2 * CONFIG["moe_intermediate_size"], CONFIG["hidden_size"])
+    width = getattr(reference.config, "moe_intermediate_size", reference.config.intermediate_size)
+    assert experts.quantized.gate_up[0].shape == (2 * width, reference.config.hidden_size)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     with LLM.from_config(config, loaded) as llm:
         got = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.engine.worker.weights.gguf_gemma import with_gemma_settings
+from pagedserve.engine.worker.weights.gguf_mixtral import with_llama_experts
 from pagedserve.engine.worker.weights.gguf_phi3 import phi3_rope_config
 
 logger = logging.getLogger(__name__)
@@ -182,11 +183,15 @@ def _write_metadata(gguf_file: Path, folder: Path) -> None:
 
 
 def _experts_width(config: Any, index: TensorIndex) -> None:
-    """A qwen3moe file's expert width, which transformers' GGUF config leaves at its default: read from the
-    experts' shape [experts, width, hidden]."""
+    """An MoE file's expert width, read from the experts' shape [experts, width, hidden]: transformers' GGUF
+    config leaves a qwen3moe file's at its default (Mixtral's is its feed-forward length, read the same way)."""
     experts = index.tensors.get("blk.0.ffn_gate_exps.weight")
-    if experts is not None and hasattr(config, "moe_intermediate_size"):
+    if experts is None:
+        return
+    if hasattr(config, "moe_intermediate_size"):
         config.moe_intermediate_size = experts.shape[1]
+    elif config.model_type == "mixtral":
+        config.intermediate_size = experts.shape[1]
 
 
 def _config(gguf_file: Path) -> Any:
@@ -198,6 +203,7 @@ def _config(gguf_file: Path) -> Any:
     if values["model_type"] == "phi3":
         values = phi3_rope_config(gguf_file, values)
     values = with_gemma_settings(gguf_file, values)
+    values = with_llama_experts(gguf_file, values)
     return CONFIG_MAPPING[values["model_type"]].from_dict(values)
 
 

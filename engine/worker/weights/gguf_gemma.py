@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pagedserve.engine.worker.weights.gguf_metadata import file_scalars
+
 GEMMA_MODEL_TYPES = {"gemma2": "gemma2", "gemma3_text": "gemma3"}  # transformers' model_type -> GGUF architecture
 LAYERS_OF_27B = {"gemma2": 46, "gemma3": 62}  # how llama.cpp tells the 27B models apart
 
@@ -19,7 +21,7 @@ def with_gemma_settings(gguf_file: Path, values: dict[str, Any]) -> dict[str, An
     architecture = GEMMA_MODEL_TYPES.get(values.get("model_type", ""))
     if architecture is None:
         return values
-    metadata = _scalars(gguf_file, architecture)
+    metadata = file_scalars(gguf_file, architecture)
     values = dict(values)
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cap in metadata:
@@ -31,19 +33,3 @@ def with_gemma_settings(gguf_file: Path, values: dict[str, Any]) -> dict[str, An
     if architecture == "gemma3" and metadata.get("rope.scaling.type") == "linear":
         values["rope_scaling"] = {"rope_type": "linear", "factor": float(metadata["rope.scaling.factor"])}
     return values
-
-
-def _scalars(gguf_file: Path, architecture: str) -> dict[str, Any]:
-    """The file's scalar metadata under `architecture.`, by the rest of their key."""
-    from gguf import GGUFReader, GGUFValueType
-
-    reader = GGUFReader(gguf_file)  # a memory map: no tensor's bytes are read here
-    prefix = f"{architecture}."
-    scalars: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if not key.startswith(prefix) or len(field.types) != 1:
-            continue  # another architecture's, or an array
-        value = field.parts[field.data[0]]
-        is_text = field.types[0] == GGUFValueType.STRING
-        scalars[key.removeprefix(prefix)] = bytes(value).decode() if is_text else value[0].item()
-    return scalars
