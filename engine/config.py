@@ -56,6 +56,7 @@ class EngineConfig:
     max_n: int = 16
     # Chat message text is tokenized as plain text: "<|im_start|>" typed by a user never becomes the role marker.
     trust_message_special_tokens: bool = False  # True: special tokens typed in messages count (role markers too)
+    chat_template: str | None = None  # a Jinja chat template, or a file holding one, instead of the tokenizer's
 
     # Structured output
     jump_forward: bool = True  # tokens a constraint forces on greedy requests are appended without a forward each
@@ -121,6 +122,19 @@ class EngineConfig:
         for ok, name, rule in checks:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+        self.chat_template_text()
+
+    def chat_template_text(self) -> str | None:
+        """The chat template `chat_template` gives: the file's text where it names a file, else the value itself
+        if it reads as Jinja (as vLLM's --chat-template); a value that is neither is refused."""
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template).expanduser()
+        if len(self.chat_template) < 4096 and path.is_file():
+            return path.read_text()
+        if "{{" in self.chat_template or "{%" in self.chat_template:
+            return self.chat_template
+        raise ValueError(f"chat_template must be a file or a Jinja template, got {self.chat_template!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -58,7 +58,7 @@ CHAT: dict[str, Refusal] = {
     "verbosity": ((), "verbosity is not supported by this model"),
     "web_search_options": ((), "web search is not supported"),
     "best_of": ((1,), "use n"),
-    "chat_template": ((), "a client's chat template is not accepted: the model's own is used"),
+    "chat_template": ((), "a client's chat template is not accepted: the model's own (or --chat-template's) is used"),
     "documents": ((), "not supported"),
     "include_reasoning": ((), "not supported"),
 }

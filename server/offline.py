@@ -16,8 +16,10 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 def add_commands(commands: argparse._SubParsersAction) -> None:
     generate = commands.add_parser("generate", help="complete one prompt, streaming to the terminal")
     generate.add_argument("--prompt", required=True)
-    generate.add_argument("--chat-template", action="store_true", help="wrap the prompt as one user message")
-    _add_sampling_args(generate, max_tokens=128)
+    generate.add_argument(
+        "--chat-template", dest="as_chat", action="store_true", help="wrap the prompt as one user message"
+    )
+    _add_sampling_args(generate, max_tokens=128, engine_exclude=frozenset({"seed", "chat_template"}))
     generate.set_defaults(run=generate_command)
 
     chat = commands.add_parser("chat", help="talk to a model in the terminal (keeps the conversation)")
@@ -26,7 +28,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     chat.set_defaults(run=chat_command)
 
 
-def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+def _add_sampling_args(
+    parser: argparse.ArgumentParser, max_tokens: int, engine_exclude: frozenset[str] = frozenset({"seed"})
+) -> None:
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=max_tokens)
     sampling.add_argument("--temperature", type=float, default=0.7)
@@ -37,7 +41,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None
     sampling.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     sampling.add_argument("--seed", type=int, help="sampling seed, for reproducible output (also the engine's)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
-    add_engine_args(parser, exclude=frozenset({"seed"}))
+    add_engine_args(parser, exclude=engine_exclude)
 
 
 def _sampling_params(args: argparse.Namespace) -> engine.SamplingParams:
@@ -57,7 +61,7 @@ def generate_command(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     with engine.LLM.from_config(engine_config(args)) as llm:
         prompt = args.prompt
-        if args.chat_template:
+        if args.as_chat:
             prompt = llm.encode_chat([{"role": "user", "content": prompt}])
         stream_reply(llm, prompt, params)
     return 0

@@ -287,7 +287,7 @@ class AsyncEngine:
 
     def _on_ready(self, ready: Ready) -> None:
         try:
-            self._tokenizer = PromptTokenizer.load(ready.info.tokenizer, ready.info.trust_message_special_tokens)
+            self._tokenizer = PromptTokenizer.load(*ready.info.tokenizer_settings())
             self._grammars = GrammarCompiler(self._tokenizer.hf, ready.info.limits.vocab_size, frozenset())
         except Exception as exc:
             logger.exception("the tokenizer failed to load")

@@ -63,7 +63,7 @@ class LLM:
         if not isinstance(ready, Ready):
             raise EngineUnavailableError(f"unexpected first message from the engine core: {ready!r}")
         self.info: EngineInfo = ready.info
-        self._prompts = PromptTokenizer.load(ready.info.tokenizer, ready.info.trust_message_special_tokens)
+        self._prompts = PromptTokenizer.load(*ready.info.tokenizer_settings())
         self._grammars = GrammarCompiler(self._prompts.hf, ready.info.limits.vocab_size, frozenset())
 
     @property

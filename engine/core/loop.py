@@ -99,6 +99,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         model_dir=str(engine.loaded.model_dir),
         tokenizer=str(engine.config.tokenizer or engine.loaded.model_dir),
         trust_message_special_tokens=engine.config.trust_message_special_tokens,
+        chat_template=engine.config.chat_template_text(),
         limits=engine.limits,
         max_queue_time=engine.config.max_queue_time,
         request_timeout=engine.config.request_timeout,

@@ -69,6 +69,11 @@ class EngineInfo:
     device: str
     pid: int  # the core's process
     heartbeat_timeout: float = 5.0  # seconds of silence (heartbeats included) after which the core counts as wedged
+    chat_template: str | None = None  # EngineConfig's, as text: used instead of the tokenizer's own
+
+    def tokenizer_settings(self) -> tuple[str, bool, str | None]:
+        """PromptTokenizer.load's arguments: where the tokenizer is and how chat messages are read."""
+        return self.tokenizer, self.trust_message_special_tokens, self.chat_template
 
 
 @dataclass(frozen=True)

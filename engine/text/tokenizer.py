@@ -140,8 +140,14 @@ class PromptTokenizer:
         self._token_texts = functools.lru_cache(maxsize=TOKEN_TEXT_CACHE)(self._one_token_text)
 
     @classmethod
-    def load(cls, path: str | Path, trust_message_special_tokens: bool = False) -> PromptTokenizer:
-        return cls(load_tokenizer(path), trust_message_special_tokens=trust_message_special_tokens)
+    def load(
+        cls, path: str | Path, trust_message_special_tokens: bool = False, chat_template: str | None = None
+    ) -> PromptTokenizer:
+        """The tokenizer at `path`; with `chat_template`, that template instead of its own."""
+        tokenizer = load_tokenizer(path)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        return cls(tokenizer, trust_message_special_tokens=trust_message_special_tokens)
 
     @property
     def chat_template(self) -> str | None:
