@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import transformers
 
+from pagedserve.engine.worker.models.spec import ModelSpec
 from tests.moe_models import save_moe_model
 from tests.test_moe_gguf import write_gguf
 from tests.test_tensor_parallel import (
@@ -59,3 +61,15 @@ def test_gguf_experts_split_as_blocks_match_one_rank(tmp_path: Path, smol_dir: P
     settings = dict(quantization="gguf", activation_dtype="float32")
     expected = run_alone(engine_for(path, 1, **settings), lambda engine: run(engine, requests))
     assert_same(expected, run_alone(engine_for(path, 2, **settings), lambda engine: run(engine, requests)))
+
+
+def test_sizes_that_do_not_split_the_experts_are_not_offered() -> None:
+    """Qwen3-MoE's experts have a width of their own: a size that splits heads and the dense MLP but not it is
+    neither listed nor accepted."""
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=34, num_attention_heads=4, num_key_value_heads=4
+    )
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.tensor_parallel_sizes() == [1, 2]
+    with pytest.raises(ValueError, match="moe_intermediate_size 34 not divisible by it; sizes that work: 1, 2"):
+        spec.check_tensor_parallel(4)

@@ -43,6 +43,7 @@ class ModelSpec:
     qk_norm: bool  # Qwen3
     sliding_window: int | None  # Mistral v0.1; we serve up to the window, not beyond
     eos_token_ids: tuple[int, ...]
+    expert_intermediate_size: int | None = None  # Qwen3-MoE's experts' width, where it differs from the MLP's
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -82,6 +83,7 @@ class ModelSpec:
             qk_norm=family == "qwen3",
             sliding_window=window,
             eos_token_ids=eos_ids,
+            expert_intermediate_size=getattr(config, "moe_intermediate_size", None),
         )
 
     @property
@@ -102,6 +104,8 @@ class ModelSpec:
             problems.append(f"num_key_value_heads {self.num_kv_heads}")
         if self.intermediate_size % size:
             problems.append(f"intermediate_size {self.intermediate_size}")
+        if self.expert_intermediate_size is not None and self.expert_intermediate_size % size:
+            problems.append(f"moe_intermediate_size {self.expert_intermediate_size}")
         return problems
 
     def tensor_parallel_sizes(self) -> list[int]:
