@@ -31,6 +31,14 @@ MOE_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
         norm_topk_prob=True,
         mlp_only_layers=[1],
     ),
+    # a shared expert beside the routed ones, its own width; q/k/v biases; top-k not renormalised
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **COMMON,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+    ),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
     # top-k not renormalised, q/k norms over the whole projections, q/k/v clamped
     "olmoe": lambda: transformers.OlmoeConfig(**COMMON, num_experts=8, num_experts_per_tok=2, clip_qkv=3.0),

@@ -16,7 +16,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.worker.model_loader import load_model
-from pagedserve.engine.worker.models.moe import SparseMoeBlock
+from pagedserve.engine.worker.models.moe_blocks import SparseMoeBlock
 from pagedserve.kernels.quantized import dequantize, quantize
 from pagedserve.server import ServerSettings
 from tests.moe_models import MOE_CONFIGS, greedy_reference, save_moe_model
@@ -62,14 +62,17 @@ def test_attention_quantized_on_load_runs_on_the_modules_not_the_native_decoder(
     assert len(got) == MAX_TOKENS and got[:2] == reference[0][:2]  # q8_0 moves later tokens of a random model
 
 
+ROUTERS = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")  # kept float: their logits pick and gate experts
+
+
 def test_experts_quantized_on_load_match_transformers_on_the_dequantized_weights(family, tmp_path) -> None:
-    """q8_0 on load: every projection and expert in blocks (the router float); tokens equal transformers' on the
+    """q8_0 on load: every projection and expert in blocks (the routers float); tokens equal transformers' on the
     weights those blocks dequantize to."""
-    _, folder, _ = family
+    name, folder, _ = family
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, weight in model.named_parameters():
-            if weight.dim() >= 2 and "embed_tokens" not in name and not name.endswith("mlp.gate.weight"):
+            if weight.dim() >= 2 and "embed_tokens" not in name and not name.endswith(ROUTERS):
                 weight.copy_(
                     torch.stack([dequantize(quantize(w, "q8_0")) for w in weight.view(-1, *weight.shape[-2:])]).view_as(
                         weight
@@ -80,6 +83,8 @@ def test_experts_quantized_on_load_match_transformers_on_the_dequantized_weights
     loaded = load_model(config)
     experts = loaded.model.layers[0].mlp.experts
     assert experts.quantized is not None and experts.quantized.down[0].qtype == "q8_0"
+    if name == "qwen2_moe":
+        assert loaded.model.layers[0].mlp.shared_expert.gate_up_proj.quantized is not None
     with LLM.from_config(config, loaded) as llm:
         got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
     assert got == expected

@@ -43,6 +43,9 @@ CONFIG = dict(  # Qwen3-MoE's
 FAMILIES = {  # GGUF architecture: the transformers config of a tiny random model
     "qwen3moe": lambda: transformers.Qwen3MoeConfig(**CONFIG),
     "llama": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=64, num_local_experts=4),
+    "qwen2moe": lambda: transformers.Qwen2MoeConfig(
+        **COMMON, intermediate_size=512, moe_intermediate_size=64, shared_expert_intermediate_size=96, num_experts=4
+    ),
 }
 ROLES = {  # transformers' name inside layer N -> the GGUF tensor's role in block N
     "self_attn.q_proj": "attn_q",
@@ -52,6 +55,10 @@ ROLES = {  # transformers' name inside layer N -> the GGUF tensor's role in bloc
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
@@ -88,7 +95,9 @@ def gguf_tensors(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, str, np.
             yield name, f"{block}.ffn_down_exps.weight", values.numpy(), Q8_0
         else:
             role = ROLES[".".join(parts[3:-1])]
-            quantized = values.dim() == 2 and role != "ffn_gate_inp"  # llama.cpp keeps the router in F32
+            if role == "ffn_gate_inp_shexp":  # llama.cpp's shape: one weight a hidden feature
+                values = values.reshape(-1)
+            quantized = values.dim() == 2 and role != "ffn_gate_inp"  # llama.cpp keeps the routers in F32
             yield name, f"{block}.{role}.{parts[-1]}", values.numpy(), (Q8_0 if quantized else F32)
 
 
@@ -99,9 +108,12 @@ def write_gguf(path: Path, smol_dir: Path, arch: str = "qwen3moe") -> transforme
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     writer = new_writer(path, arch, config, smol_dir)
     if arch == "qwen3moe":
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
@@ -117,7 +129,11 @@ def write_gguf(path: Path, smol_dir: Path, arch: str = "qwen3moe") -> transforme
             data = data[llama_cpp_row_order(data.shape[0], heads)]
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
     close_writer(writer)
-    state = {name: parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) for name, parts in dequantized.items()}
+    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    state = {
+        name: (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).reshape(shapes[name])
+        for name, parts in dequantized.items()
+    }
     model.load_state_dict(state, strict=False)  # lm_head: tied
     return model
 
@@ -150,6 +166,8 @@ def test_experts_load_as_blocks_and_greedy_tokens_equal_transformers(moe_file) -
         isinstance(w, QuantizedWeight) and w.qtype == "q8_0"
         for w in [*experts.quantized.gate_up, *experts.quantized.down]
     )
+    if reference.config.model_type == "qwen2_moe":  # the shared expert's projections: blocks too
+        assert isinstance(loaded.model.layers[0].mlp.shared_expert.gate_up_proj.quantized, QuantizedWeight)
     width = getattr(reference.config, "moe_intermediate_size", reference.config.intermediate_size)
     assert experts.quantized.gate_up[0].shape == (2 * width, reference.config.hidden_size)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

@@ -28,6 +28,7 @@ from tests.test_tensor_parallel import (
     ("family", "size"),
     [
         ("qwen3_moe", 2),  # a dense layer beside the experts; per-head q/k norms
+        ("qwen2_moe", 2),  # the shared expert's slice joins the routed sum before the one all-reduce
         ("mixtral", 2),
         ("olmoe", 2),  # q/k norms over the whole projections: their sums of squares all-reduced
         pytest.param("olmoe", 4, marks=pytest.mark.slow),  # 2 KV heads over 4 ranks: each replicated twice
@@ -52,10 +53,12 @@ def test_experts_quantized_on_load_split_match_one_rank(tmp_path: Path, smol_dir
     assert_same(expected, run_alone(engine_for(tmp_path, 2, **settings), workload))
 
 
-def test_gguf_experts_split_as_blocks_match_one_rank(tmp_path: Path, smol_dir: Path, monkeypatch) -> None:
-    """Each rank reads every expert's 32 of 64 rows (gate/up) and columns (down): whole Q8_0 blocks."""
-    path = tmp_path / "tiny-qwen3moe-q8_0.gguf"
-    write_gguf(path, smol_dir)
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_gguf_experts_split_as_blocks_match_one_rank(tmp_path: Path, smol_dir: Path, monkeypatch, arch: str) -> None:
+    """Each rank reads every expert's 32 of 64 rows (gate/up) and columns (down): whole Q8_0 blocks (Qwen2-MoE's
+    shared expert: 48 of its 96, its down projection's columns off blocks, so float)."""
+    path = tmp_path / f"tiny-{arch}-q8_0.gguf"
+    write_gguf(path, smol_dir, arch)
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     requests = {"a": (list(range(200, 230)), GREEDY), "b": (list(range(500, 507)), GREEDY)}
     settings = dict(quantization="gguf", activation_dtype="float32")

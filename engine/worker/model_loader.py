@@ -108,7 +108,7 @@ def _gguf_model(
     keeps_blocks = config.quantization in ("auto", "gguf")
     formats = _formats_multiplied_here(config, backend, device, dtype) if keeps_blocks else frozenset()
     split = None if group is None else (group.rank, group.size)
-    tensors = GGUFTensors(gguf_file, load_index(model_dir, gguf_file), spec, split)
+    tensors = GGUFTensors(gguf_file, load_index(model_dir, gguf_file), spec, split, model.checkpoint_slice)
     load_gguf_weights(model, tensors, formats, lambda weight: backend.place_quantized(weight, device), device, dtype)
     release_freed_memory()  # the parts of fused projections, copied once more when they were stacked
     stored = sum(m.quantized.nbytes for m in model.modules() if isinstance(m, Linear) and m.quantized is not None)

@@ -1,22 +1,18 @@
-"""Mixture-of-experts decoders: Qwen3-MoE, Mixtral and OLMoE, the Llama family with a routed expert layer.
+"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE, the Llama family with a routed expert
+layer (models/moe_blocks.py).
 
 Each token's router picks `top_k` of the experts (softmax over all of them, then the top k, renormalised over
 those k where the family does so); the experts run grouped by expert (kernels/moe.py). Attention is Llama's,
-with Qwen3-MoE's per-head q/k norms or OLMoE's norms over the whole q and k projections.
-
-Split over tensor-parallel ranks, every rank holds every expert's slice of the intermediate width (as the dense
-MLP is split): gate/up rows and down columns; the layer's sum over experts is then one all-reduce.
+with Qwen3-MoE's per-head q/k norms, Qwen2-MoE's q/k/v biases or OLMoE's norms over the whole q and k
+projections.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
@@ -28,119 +24,18 @@ from pagedserve.engine.worker.models.llama import (
     LlamaForCausalLM,
 )
 from pagedserve.engine.worker.models.moe_attention import WholeProjectionNormAttention
+from pagedserve.engine.worker.models.moe_blocks import SparseMoeBlock
+from pagedserve.engine.worker.models.moe_spec import MoeSpec
 from pagedserve.engine.worker.models.spec import ModelSpec
 from pagedserve.kernels import KernelBackend
-from pagedserve.kernels.moe import ExpertWeight, ExpertWeights, expert_product
 
-MOE_ARCHITECTURES = {
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-    "OlmoeForCausalLM": "olmoe",
-}
 # A per-expert checkpoint tensor: layer, expert, projection (Mixtral's w1/w3/w2 are gate/up/down).
 EXPERT_TENSOR = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Qwen2-MoE's shared expert: layer, projection.
+SHARED_EXPERT_TENSOR = re.compile(
+    r"^(?:model\.)?layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$"
+)
 MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
-
-
-@dataclass(frozen=True)
-class MoeSpec:
-    """What a mixture-of-experts checkpoint adds to ModelSpec."""
-
-    family: str
-    num_experts: int
-    top_k: int
-    expert_intermediate_size: int  # every expert's width (the whole model's, not a rank's)
-    renormalize: bool  # the top-k weights divided by their sum
-    sparse_layers: frozenset[int]  # layers with experts; the others have a dense MLP (Qwen3-MoE)
-    clip_qkv: float | None  # OLMoE: q, k and v clamped to +-clip_qkv
-
-    @classmethod
-    def from_hf_config(cls, config: Any, architecture: str) -> MoeSpec:
-        family = MOE_ARCHITECTURES[architecture]
-        layers = frozenset(range(config.num_hidden_layers))
-        if family == "mixtral":  # always renormalised over the top k
-            experts, width, renormalize, sparse = config.num_local_experts, config.intermediate_size, True, layers
-        elif family == "olmoe":  # norm_topk_prob: false in OLMoE's checkpoints
-            experts, width, sparse = config.num_experts, config.intermediate_size, layers
-            renormalize = bool(config.norm_topk_prob)
-        else:  # Qwen3-MoE: dense layers where mlp_only_layers or decoder_sparse_step say so
-            experts, width, renormalize = config.num_experts, config.moe_intermediate_size, bool(config.norm_topk_prob)
-            step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
-            sparse = frozenset(i for i in layers if i not in dense and experts > 0 and (i + 1) % step == 0)
-        clip = getattr(config, "clip_qkv", None) if family == "olmoe" else None
-        return cls(family, experts, config.num_experts_per_tok, width, renormalize, sparse, clip)
-
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] in the logits' dtype, expert ids [T, k]): softmax in float32 over every expert, the top k,
-    renormalised over them where the family does so (transformers' order of operations)."""
-    probabilities = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probabilities, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), ids
-
-
-class Router(nn.Module):
-    """The router's weight [num_experts, hidden], float always: its logits pick the experts."""
-
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
-
-
-class ExpertStack(nn.Module):
-    """Every expert's gated MLP, stacked by rows: gate_up_proj [E * 2I, H] (each expert's gate rows, then its up
-    rows), down_proj [E * H, I]; or each expert's weights in a block format (`use_quantized`)."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts * hidden_size, intermediate_size))
-        if not self.gate_up_proj.is_meta:  # random until loaded (load_format "dummy" keeps them)
-            nn.init.normal_(self.gate_up_proj, std=0.02)
-            nn.init.normal_(self.down_proj, std=0.02)
-        self.quantized: ExpertWeights | None = None
-
-    def weights(self) -> ExpertWeights:
-        if self.quantized is not None:
-            return self.quantized
-        experts, hidden, inter = self.num_experts, self.hidden_size, self.intermediate_size
-        return ExpertWeights(
-            self.gate_up_proj.view(experts, 2 * inter, hidden), self.down_proj.view(experts, hidden, inter)
-        )
-
-    def use_quantized(self, gate_up: Sequence[ExpertWeight], down: Sequence[ExpertWeight]) -> None:
-        """Multiplies by these per-expert weights from now on and drops the float stacks."""
-        expected = ((2 * self.intermediate_size, self.hidden_size), (self.hidden_size, self.intermediate_size))
-        for weights, shape in zip((gate_up, down), expected, strict=True):
-            if len(weights) != self.num_experts or any(tuple(w.shape) != shape for w in weights):
-                raise ValueError(f"expected {self.num_experts} expert weights of shape {shape}")
-        self.quantized = ExpertWeights(tuple(gate_up), tuple(down))
-        self.gate_up_proj = nn.Parameter(torch.empty(0, self.hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(0, self.intermediate_size), requires_grad=False)
-
-
-class SparseMoeBlock(nn.Module):
-    """Router, then the experts grouped by expert; split over ranks, one all-reduce of the summed outputs."""
-
-    def __init__(
-        self, hidden_size: int, moe: MoeSpec, backend: KernelBackend, group: TensorParallelGroup | None
-    ) -> None:
-        super().__init__()
-        ranks = 1 if group is None else group.size
-        self.gate = Router(hidden_size, moe.num_experts)
-        self.experts = ExpertStack(moe.num_experts, hidden_size, moe.expert_intermediate_size // ranks)
-        self.top_k, self.renormalize = moe.top_k, moe.renormalize
-        self.backend, self.group = backend, group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.backend.linear(x, self.gate.weight), self.top_k, self.renormalize)
-        out = expert_product(self.backend, x, ids, weights, self.experts.weights())
-        if self.group is not None:
-            out = self.group.all_reduce(out)
-        return self.backend.in_linear_output_layout(out)
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
@@ -181,10 +76,11 @@ class MoeForCausalLM(LlamaForCausalLM):
     ) -> None:
         self.moe = MoeSpec.from_hf_config(hf_config, spec.architecture)
         size = 1 if group is None else group.size
-        if self.moe.expert_intermediate_size % size:
+        problems = self.moe.split_problems(size)
+        if problems:
             raise ValueError(
-                f"{spec.architecture} cannot be split over tensor_parallel_size {size}: the experts' "
-                f"intermediate size {self.moe.expert_intermediate_size} is not divisible by it"
+                f"{spec.architecture} cannot be split over tensor_parallel_size {size}: "
+                f"{', '.join(problems)} not divisible by it"
             )
         super().__init__(spec, hf_config, backend, max_positions, group, rotary)
 
@@ -193,11 +89,22 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def weight_target(self, hf_name: str) -> tuple[str, tuple[int, int] | None] | None:
         name = canonical_name(hf_name)
+        shared = SHARED_EXPERT_TENSOR.match(name)
+        if shared is not None:  # gate and up fused, as the dense MLP's
+            layer, projection, width = (
+                int(shared[1]),
+                shared[2],
+                self._rank_width(self.moe.shared_expert_intermediate_size),
+            )
+            if projection == "down_proj":
+                return f"layers.{layer}.mlp.shared_expert.down_proj.weight", None
+            first = width if projection == "up_proj" else 0
+            return f"layers.{layer}.mlp.shared_expert.gate_up_proj.weight", (first, first + width)
         match = EXPERT_TENSOR.match(name)
         if match is None:
             return super().weight_target(name)
         layer, expert, projection = int(match[1]), int(match[2]), match[3]
-        inter = self.moe.expert_intermediate_size // (1 if self.group is None else self.group.size)
+        inter = self._rank_width(self.moe.expert_intermediate_size)
         if projection == "down_proj":
             hidden = self.spec.hidden_size
             return f"layers.{layer}.mlp.experts.down_proj", (expert * hidden, (expert + 1) * hidden)
@@ -213,10 +120,17 @@ class MoeForCausalLM(LlamaForCausalLM):
         if match is not None:
             inter = self.moe.expert_intermediate_size // size
             return (1 if match[3] == "down_proj" else 0), rank * inter, (rank + 1) * inter
+        shared = SHARED_EXPERT_TENSOR.match(name)
+        if shared is not None:
+            width = self.moe.shared_expert_intermediate_size // size
+            return (1 if shared[2] == "down_proj" else 0), rank * width, (rank + 1) * width
         if self.moe.family == "olmoe" and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
             projection = name.replace("_norm.weight", "_proj.weight")  # a whole-projection norm: its heads' part
             return super().checkpoint_slice(projection)
         return super().checkpoint_slice(name)
+
+    def _rank_width(self, width: int) -> int:
+        return width // (1 if self.group is None else self.group.size)
 
 
 def canonical_name(hf_name: str) -> str:

@@ -11,7 +11,8 @@ from pagedserve.engine.worker.models.gemma import GemmaForCausalLM
 from pagedserve.engine.worker.models.gemma_settings import GEMMA_ARCHITECTURES, GemmaRotary
 from pagedserve.engine.worker.models.layers import RotaryEmbedding
 from pagedserve.engine.worker.models.llama import LlamaForCausalLM, rotary_embedding
-from pagedserve.engine.worker.models.moe import MOE_ARCHITECTURES, MoeForCausalLM
+from pagedserve.engine.worker.models.moe import MoeForCausalLM
+from pagedserve.engine.worker.models.moe_spec import MOE_ARCHITECTURES
 from pagedserve.engine.worker.models.phi3 import Phi3ForCausalLM
 from pagedserve.engine.worker.models.spec import ModelSpec
 from pagedserve.kernels import KernelBackend

@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "gemma3",  # image and text: served as its text model, text in and out
     # mixtures of experts (models/moe.py)
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
 }
@@ -64,7 +65,8 @@ class ModelSpec:
         eos = config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = getattr(config, "sliding_window", None)
-        if (family == "qwen2" and not getattr(config, "use_sliding_window", False)) or family in PER_LAYER_WINDOWS:
+        qwen2 = family in ("qwen2", "qwen2_moe")
+        if (qwen2 and not getattr(config, "use_sliding_window", False)) or family in PER_LAYER_WINDOWS:
             window = None
         return cls(
             architecture=arch,
@@ -79,7 +81,7 @@ class ModelSpec:
             rope_parameters=_rope_parameters(config),
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qkv_bias=qwen2 or bool(getattr(config, "attention_bias", False)),
             qk_norm=family == "qwen3",
             sliding_window=window,
             eos_token_ids=eos_ids,

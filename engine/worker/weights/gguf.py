@@ -54,6 +54,8 @@ FUSED = {
     "self_attn.o_proj": ("attn_output",),
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
     "mlp.down_proj": ("ffn_down",),
+    "mlp.shared_expert.gate_up_proj": ("ffn_gate_shexp", "ffn_up_shexp"),  # Qwen2-MoE's (where a model has one)
+    "mlp.shared_expert.down_proj": ("ffn_down_shexp",),
 }
 # Phi-3 stores q/k/v as one tensor and gate/up as one: read whole, their rows put in our order per rank
 # (models/phi3.py: fused_row_order).
@@ -73,6 +75,11 @@ PART_MODULES = {  # a GGUF role -> the transformers module its checkpoint tensor
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+SHARED_EXPERT_MODULES = {  # the same for Qwen2-MoE's shared expert
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
 LAYER_FLOATS = {  # our parameter in layer N -> its GGUF tensor in block N
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -84,8 +91,18 @@ LAYER_FLOATS = {  # our parameter in layer N -> its GGUF tensor in block N
 class GGUFTensors:
     """Reads tensors of one GGUF file (by its index), whole or as a rank's shard, in our row order."""
 
-    def __init__(self, gguf_file: Path, index: TensorIndex, spec: ModelSpec, split: Split | None) -> None:
+    def __init__(
+        self,
+        gguf_file: Path,
+        index: TensorIndex,
+        spec: ModelSpec,
+        split: Split | None,
+        checkpoint_slice: Callable[[str], CheckpointSlice | None] | None = None,
+    ) -> None:
+        """`checkpoint_slice`: the model's own rule for the rank's part of a transformers checkpoint tensor (by
+        default, the dense Llama rule: an MoE model's shared expert has a width of its own)."""
         self.file, self.tensors, self.spec, self.split = gguf_file, index.tensors, spec, split
+        self.checkpoint_slice = checkpoint_slice or (lambda name: rank_slice(name, spec, *split) if split else None)
         self.permuted = index.architecture in PERMUTED_ARCHITECTURES
         self.fused_rows = PHI3_ROWS if spec.architecture == "Phi3ForCausalLM" else {}
 
@@ -144,7 +161,8 @@ class GGUFTensors:
         if role in self.fused_rows:
             return None  # the rank's rows are picked by _order
         layer, kind = name.split(".")[1], name.rsplit(".", 1)[1]  # "blk.3.attn_q.weight"
-        return rank_slice(f"model.layers.{layer}.{PART_MODULES[role]}.{kind}", self.spec, *self.split)
+        module = PART_MODULES.get(role) or SHARED_EXPERT_MODULES[role]
+        return self.checkpoint_slice(f"model.layers.{layer}.{module}.{kind}")
 
     def _order(self, role: str, num_rows: int) -> np.ndarray | None:
         if role in self.fused_rows:

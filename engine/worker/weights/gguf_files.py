@@ -188,6 +188,9 @@ def _experts_width(config: Any, index: TensorIndex) -> None:
     experts = index.tensors.get("blk.0.ffn_gate_exps.weight")
     if experts is None:
         return
+    shared = index.tensors.get("blk.0.ffn_gate_shexp.weight")  # Qwen2-MoE's shared expert [width, hidden]
+    if shared is not None and hasattr(config, "shared_expert_intermediate_size"):
+        config.shared_expert_intermediate_size = shared.shape[0]
     if hasattr(config, "moe_intermediate_size"):
         config.moe_intermediate_size = experts.shape[1]
     elif config.model_type == "mixtral":

@@ -17,7 +17,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from pagedserve.engine.worker.models.moe import MoeForCausalLM, SparseMoeBlock
+from pagedserve.engine.worker.models.moe import MoeForCausalLM
+from pagedserve.engine.worker.models.moe_blocks import SparseMoeBlock
 from pagedserve.engine.worker.weights.block_shards import CheckpointSlice, on_block_boundaries, read_shard
 from pagedserve.engine.worker.weights.gguf_files import StoredTensor
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
@@ -92,6 +93,9 @@ def load_gguf_experts(model: object, tensors: TensorReader, formats: frozenset[s
             continue
         experts = ExpertTensors(tensors, index, split)
         put(f"layers.{index}.mlp.gate.weight", experts.tensors.float(f"blk.{index}.ffn_gate_inp.weight"))
+        if block.shared_expert is not None:  # its projections are read with the dense ones (gguf.py: FUSED)
+            shared_gate = experts.tensors.float(f"blk.{index}.ffn_gate_inp_shexp.weight")
+            put(f"layers.{index}.mlp.shared_expert_gate.weight", shared_gate.reshape(1, -1))
         if experts.blocks_apply(formats):
             gate, up, down = (experts.blocks(i) for i in range(3))
             gate_up: list[ExpertWeight] = [_placed_pair(g, u, place) for g, u in zip(gate, up, strict=True)]

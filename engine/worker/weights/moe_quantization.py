@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from pagedserve.engine.worker.models.moe import MoeForCausalLM, SparseMoeBlock
+from pagedserve.engine.worker.models.moe import MoeForCausalLM
+from pagedserve.engine.worker.models.moe_blocks import SparseMoeBlock
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.quantized import QuantizedWeight, block_format, quantize
 
