@@ -51,6 +51,8 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     # head_dim 64: the smallest the Triton backend supports
     "llama-hd64": lambda: transformers.LlamaConfig(**{**TINY_COMMON, "hidden_size": 256}),
     "mistral": lambda: transformers.MistralConfig(**TINY_COMMON, sliding_window=None),
+    # Mistral v0.1's window, shrunk: every layer reads only its last 8 tokens
+    "mistral-window": lambda: transformers.MistralConfig(**TINY_COMMON, sliding_window=8),
     "qwen2": lambda: transformers.Qwen2Config(**TINY_COMMON, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**TINY_COMMON, head_dim=32),
 }

@@ -57,7 +57,8 @@ def both_ways(engine: LLMEngine, prompts: list[list[int]]) -> tuple[Outputs, Out
 
 
 @pytest.mark.parametrize(
-    ("family", "qtype"), [("llama", "q4_1"), ("llama", "q8_0"), ("qwen2", "q4_0"), ("mistral", "q4_1")]
+    ("family", "qtype"),
+    [("llama", "q4_1"), ("llama", "q8_0"), ("qwen2", "q4_0"), ("mistral", "q4_1"), ("mistral-window", "q4_1")],
 )
 def test_native_forward_generates_what_the_modules_do(
     tiny_model_dir: Callable[[str], Path], family: str, qtype: str

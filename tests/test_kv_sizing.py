@@ -114,11 +114,11 @@ def test_max_model_len_defaults_to_the_model_capped() -> None:
     assert resolve_max_model_len(EngineConfig(), SPEC) == MAX_DEFAULT_MODEL_LEN
     short = dataclasses.replace(SPEC, max_position_embeddings=2048)
     assert resolve_max_model_len(EngineConfig(), short) == 2048
-    windowed = dataclasses.replace(SPEC, sliding_window=1024)
-    assert resolve_max_model_len(EngineConfig(), windowed) == 1024
+    windowed = dataclasses.replace(SPEC, sliding_window=1024)  # attended, not a cap on the context
+    assert resolve_max_model_len(EngineConfig(), windowed) == MAX_DEFAULT_MODEL_LEN
     assert resolve_max_model_len(EngineConfig(max_model_len=300), SPEC) == 300
-    with pytest.raises(ValueError, match="exceeds the model's limit of 1024"):
-        resolve_max_model_len(EngineConfig(max_model_len=2000), windowed)
+    with pytest.raises(ValueError, match="exceeds the model's limit of 2048"):
+        resolve_max_model_len(EngineConfig(max_model_len=4000), short)
 
 
 def test_max_model_len_never_exceeds_the_cache() -> None:

@@ -11,6 +11,7 @@ import transformers
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.kv_caches import allocate_kv_caches
+from pagedserve.engine.worker.kv_sizing import model_len_limit
 from pagedserve.engine.worker.model_loader import load_model
 from pagedserve.engine.worker.models import ModelSpec
 from pagedserve.engine.worker.native_decoder import bind_kv_caches
@@ -47,7 +48,7 @@ def our_logits(model_dir: Path, token_ids: list[int], chunk: int) -> torch.Tenso
     return torch.cat(pieces)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3-rope", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "llama3-rope", "mistral", "mistral-window", "qwen2", "qwen3"])
 def test_logits_match_transformers(family: str, tiny_model_dir: Callable[[str], Path]) -> None:
     folder = tiny_model_dir(family)
     token_ids = torch.randint(0, 49152, (45,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -57,6 +58,13 @@ def test_logits_match_transformers(family: str, tiny_model_dir: Callable[[str], 
     torch.testing.assert_close(our_logits(folder, token_ids, chunk=45), expected, atol=1e-4, rtol=1e-4)
     # Chunked prefill (a chunk starting mid-sequence, then single-token steps) gives the same logits.
     torch.testing.assert_close(our_logits(folder, token_ids, chunk=7), expected, atol=1e-4, rtol=1e-4)
+    if family == "mistral-window":  # one token a step: the native decoder inside the window, the layers past it
+        torch.testing.assert_close(our_logits(folder, token_ids, chunk=1), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_sliding_window_is_attended_not_a_context_cap(tiny_model_dir: Callable[[str], Path]) -> None:
+    spec = ModelSpec.from_hf_config(transformers.AutoConfig.from_pretrained(tiny_model_dir("mistral-window")))
+    assert spec.sliding_window == 8 and model_len_limit(spec) == 2048
 
 
 def test_spec_reads_family_features(tiny_model_dir: Callable[[str], Path]) -> None:

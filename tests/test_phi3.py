@@ -196,12 +196,11 @@ def test_a_sequence_crossing_the_threshold_is_recomputed_long_and_proposals_stop
     assert request.long_rope and [(s.request, s.num_new_tokens) for s in step.scheduled] == [(request, SWITCH + 1)]
 
 
-def test_a_sliding_window_caps_the_context_as_for_mistral() -> None:
-    """Phi-3-mini-4k's sliding_window (2047 of 4096): we attend to the whole context, so serve up to the window."""
+def test_a_sliding_window_is_attended_as_for_mistral() -> None:
+    """Phi-3-mini-4k's sliding_window (2047 of 4096): every layer reads its window; the context is not capped."""
     config = _config(sliding_window=100)
     assert ModelSpec.from_hf_config(config).sliding_window == 100
-    assert model_len_limit(ModelSpec.from_hf_config(config)) == 100
-    assert model_len_limit(ModelSpec.from_hf_config(_config())) == 512
+    assert model_len_limit(ModelSpec.from_hf_config(config)) == 512
 
 
 def test_triton_backend_equals_transformers(phi_dir) -> None:

@@ -78,10 +78,7 @@ def blocks_in_budget(budget: int, bytes_per_block: int) -> int:
 
 
 def model_len_limit(spec: ModelSpec) -> int:
-    limit = spec.max_position_embeddings
-    if spec.sliding_window is not None:
-        limit = min(limit, spec.sliding_window)  # we attend to the whole context, so stay inside the window
-    return limit
+    return spec.max_position_embeddings
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

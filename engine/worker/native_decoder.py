@@ -105,6 +105,7 @@ class CpuDecoder:
     def __init__(self, model: LlamaForCausalLM, caches: Sequence[KVCache], function: NativeForward) -> None:
         spec, attention = model.spec, _attention(model.layers[0])
         self._function = function
+        self._window = spec.sliding_window
         self._layers = (_Layer * spec.num_layers)(
             *(
                 _describe(cast(LlamaDecoderLayer, layer), cache)
@@ -146,6 +147,8 @@ class CpuDecoder:
         tokens = embeddings.shape[0]
         if tokens > MAX_TOKENS or embeddings.dtype != torch.float32:
             return None
+        if self._window is not None and metadata.max_seq_len > self._window:
+            return None  # the native attention reads whole contexts: beyond the window the layers' own do
         plan = metadata.plan if metadata.plan is not None else plan_attention(metadata)
         rows = plan.native_rows
         if plan.sdpa_prefills or rows.query_rows.numel() != tokens:

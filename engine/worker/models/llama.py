@@ -50,6 +50,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = projection(self.q_size, spec.hidden_size, backend, group)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
+        self.sliding_window = spec.sliding_window  # Mistral v0.1's: every layer reads its last 4,096 tokens
         self.backend = backend
         self.kv_cache: KVCache | None = None
 
@@ -64,7 +65,7 @@ class LlamaAttention(nn.Module):
         assert self.kv_cache is not None, "bind_kv_caches() before the first forward"
         k_cache, v_cache = self.kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = self.backend.paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        out = self.backend.paged_attention(q, k_cache, v_cache, metadata, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -42,7 +42,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2
     qk_norm: bool  # Qwen3
-    sliding_window: int | None  # Mistral v0.1; we serve up to the window, not beyond
+    sliding_window: int | None  # Mistral v0.1's (and Qwen2's where use_sliding_window): every layer's window
     eos_token_ids: tuple[int, ...]
     expert_intermediate_size: int | None = None  # Qwen3-MoE's experts' width, where it differs from the MLP's
 
