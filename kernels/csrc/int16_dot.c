@@ -189,6 +189,11 @@ static inline __attribute__((always_inline)) void one_token_block(__m256 *acc, f
     if (format == Q4_1) *offset += half_to_float(block + 2) * s[b];
 }
 
+/* How far ahead of its reading one token's row kernel asks for the weights: a row streams from memory at one
+ * token, and the hardware prefetcher alone left a thread stalled on it. Measured on a 1B model's decode step, one
+ * thread (Zen 4): 2048-4096 bytes take 8-10% off the layers' CPU time, 1024 about 7%, 8192 3%. */
+enum { PREFETCH_BYTES = 2048 };
+
 /* row . x for one token: two accumulators a block about (one chain of multiply-adds is bound by its latency). */
 static inline __attribute__((always_inline)) float one_token_32(const uint8_t *row, const q16_token *x,
                                                                 int64_t blocks, const enum format format) {
@@ -198,6 +203,7 @@ static inline __attribute__((always_inline)) float one_token_32(const uint8_t *r
     float offset0 = 0.0f, offset1 = 0.0f;
     int64_t b = 0;
     for (; b + 1 < blocks; b += 2) {
+        _mm_prefetch((const char *)(row + b * BLOCK_BYTES[format] + PREFETCH_BYTES), _MM_HINT_T0);
         one_token_block(&acc0, &offset0, row + b * BLOCK_BYTES[format], q, d, s, b, format);
         one_token_block(&acc1, &offset1, row + (b + 1) * BLOCK_BYTES[format], q, d, s, b + 1, format);
     }
