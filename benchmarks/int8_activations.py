@@ -12,7 +12,10 @@ being faster. The kernels are called directly, at every token count.
 Copy bandwidth: a 256 MiB torch copy on the same threads, as bytes read per second (what a weight stream is;
 a copy also writes as many).
 
-    python -m benchmarks.int8_activations [--tokens 1,4,8] [--formats q4_0,q8_0]
+--cached: the kernels' arithmetic alone, as a busy machine still measures it: one thread, a 1024 x 2048 weight
+that stays in cache, the thread's CPU time (not the wall clock) per 32 weights and token, best of a few rounds.
+
+    python -m benchmarks.int8_activations [--tokens 1,4,8] [--formats q4_0,q8_0] [--cached]
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ FORMATS = ("q4_0", "q8_0", "q4_1", "q4_k", "q5_k", "q6_k")
 TOKENS = (1, 2, 3, 4, 8, 15)
 SAMPLES = 9
 COPY_BYTES = 256 << 20
+ROWS_CACHED = 1024  # x 2048: 1.1-1.7 MiB of blocks, in a Zen 4 core's 2 MiB L2
 KERNEL_PATHS = {0: "portable C", 1: "AVX2", 2: "AVX-512 VNNI"}
 
 
@@ -106,14 +110,50 @@ def copy_gb_per_second() -> float:
     return COPY_BYTES / statistics.median(times) / 1e9
 
 
+def cached_ns_per_block(qtype: str, tokens: int, rounds: int = 7, calls: int = 50) -> list[float]:
+    """One thread's CPU nanoseconds per 32 weights and token for each of DTYPES, the weight in cache (--cached)."""
+    weight = quantize(torch.randn(ROWS_CACHED, 2048, generator=torch.Generator().manual_seed(0)) * 0.02, qtype)
+    x, out = torch.randn(tokens, 2048), torch.empty(tokens, ROWS_CACHED)
+    best = dict.fromkeys(DTYPES, float("inf"))
+    for _ in range(rounds):
+        for dtype in DTYPES:
+            kernel = kernel_of(dtype)
+            kernel(x, weight, None, out)
+            start = time.thread_time()
+            for _ in range(calls):
+                kernel(x, weight, None, out)
+            best[dtype] = min(best[dtype], (time.thread_time() - start) / calls)
+    blocks = ROWS_CACHED * 2048 / 32 * tokens
+    return [best[dtype] / blocks * 1e9 for dtype in DTYPES]
+
+
+def print_cached(formats: list[str], token_counts: list[int]) -> None:
+    torch.set_num_threads(1)
+    print("| format | tokens | float32 ns | int8 ns | int16 ns | int16 / float32 time |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for qtype in formats:
+        for tokens in token_counts:
+            float_ns, int8_ns, int16_ns = cached_ns_per_block(qtype, tokens)
+            print(f"| {qtype.upper()} | {tokens} | {float_ns:.2f} | {int8_ns:.2f} | {int16_ns:.2f} | "
+                  f"{int16_ns / float_ns:.2f} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cached", action="store_true", help="one thread's CPU time, the weight in cache")
     args = parser.parse_args()
     if int8_linear_kernel() is None:
         raise SystemExit("the native kernels could not be built (no C compiler?)")
+    if args.cached:
+        path = native_function("int8_kernel_path", [])
+        print(f"{cpu_model()}; int8 kernels: {KERNEL_PATHS[path()] if path else '?'}; one thread, CPU time")
+        started = datetime.datetime.now(datetime.timezone.utc)
+        print(f"{started:%Y-%m-%d %H:%M} UTC; 1-minute load average {os.getloadavg()[0]:.2f}\n")
+        print_cached(args.formats.split(","), [int(t) for t in args.tokens.split(",")])
+        return
     torch.set_num_threads(args.threads)
     path = native_function("int8_kernel_path", [])
     started = datetime.datetime.now(datetime.timezone.utc)

@@ -128,14 +128,26 @@ def test_integer_kernel_is_the_reference(qtype: str, tokens: int, bits: int) -> 
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("tokens", (4, 12))
+@pytest.mark.parametrize("tokens", (1, 2, 4, 12))
 def test_int16_tiles_are_the_reference_on_odd_rows_and_partial_tiles(qtype: str, tokens: int) -> None:
-    """37 rows: the 32-weight formats' tiles of two rows end on a row alone; 4 and 12 tokens: tiles of four tokens
-    summed together, and a tile of eight followed by one of four."""
+    """37 rows: the 32-weight formats' tiles of two rows end on a row alone; 1 token: a row at a time with its own
+    kernel (csrc/int16_dot.c's one_token_32); 4 and 12 tokens: tiles of four tokens summed together, and a tile
+    of eight followed by one of four."""
     weight, x = weight_of(qtype, out_features=37), activations(tokens)
     bias = torch.randn(37)
     expected = int8_linear_reference(x, weight, bias, bits=16)
     out = integer_product(x, weight, bias, bits=16)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", ("q8_0", "q4_0", "q4_1"))
+@pytest.mark.parametrize("tokens", (1, 2, 3))
+def test_int16_dots_are_the_reference_on_an_odd_number_of_blocks(qtype: str, tokens: int) -> None:
+    """25 blocks a row: the one-token kernel's two accumulators end on a block alone; Q4_0's and Q4_1's x in
+    nibble order (csrc/q8_activations.c's nibble_order_q16) whatever the count."""
+    weight, x = weight_of(qtype, out_features=37, in_features=800), activations(tokens, features=800)
+    expected = int8_linear_reference(x, weight, bits=16)
+    out = integer_product(x, weight, bits=16)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 

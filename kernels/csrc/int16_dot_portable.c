@@ -35,7 +35,10 @@ static inline __attribute__((always_inline)) float row_dot_32(const uint8_t *row
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t *block = row + b * BLOCK_BYTES[format];
         int32_t dot = 0;
-        for (int l = 0; l < Q8_BLOCK; ++l) dot += weight_int(block, 0, l, format) * x->q[b * Q8_BLOCK + l];
+        for (int p = 0; p < Q8_BLOCK; ++p) { /* the Q4 formats' x in nibble order, as int16_dot.c reads it */
+            const int l = format == Q8_0 ? p : nibble_order_feature(p);
+            dot += weight_int(block, 0, l, format) * x->q[b * Q8_BLOCK + p];
+        }
         const float dw = half_to_float(block);
         sum += dw * x->d[b] * (float)dot;
         if (format == Q4_0) sum -= 8.0f * dw * x->s[b];

@@ -1,6 +1,6 @@
 /*
- * What int16_dot.c (AVX2) and int16_dot_portable.c (without AVX2) share: the formats' block layouts, Q4_K's and
- * Q5_K's scales, and the exported tile dots, each file defining `tile` for its instruction set.
+ * What int16_dot.c (AVX2) and int16_dot_portable.c (without AVX2) share: the formats' block layouts and the
+ * exported tile dots, each file defining `tile` for its instruction set.
  */
 #ifndef PAGEDSERVE_INT16_FORMATS_H
 #define PAGEDSERVE_INT16_FORMATS_H
@@ -9,20 +9,16 @@
 #include <string.h>
 
 #include "int8_activations.h"
+#include "kquant_scales.h"
 
 enum { QK_K = 256, GROUPS = QK_K / Q8_BLOCK };
 enum format { Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K };
 static const int64_t BLOCK_BYTES[] = {34, 18, 20, 144, 176, 210};
 
-/* Q4_K's and Q5_K's 6-bit scales and mins (int8_dot_kquants.c's unpack_scales). */
-static inline void unpack_scales(const uint8_t *packed_bytes, uint8_t scales[GROUPS], uint8_t mins[GROUPS]) {
-    uint32_t packed[3];
-    memcpy(packed, packed_bytes, sizeof packed);
-    const uint32_t six = 0x3F3F3F3Fu, nibble = 0x0F0F0F0Fu, two = 0x03030303u;
-    const uint32_t words[4] = {packed[0] & six, (packed[2] & nibble) | ((packed[0] >> 6) & two) << 4,
-                               packed[1] & six, ((packed[2] >> 4) & nibble) | ((packed[1] >> 6) & two) << 4};
-    memcpy(scales, words, GROUPS);
-    memcpy(mins, words + 2, GROUPS);
+/* The feature of a 32-block that position p of a token in nibble order (nibble_order_q16) holds. */
+static inline int nibble_order_feature(int p) {
+    const int i = p % 16;
+    return p - i + (i < 8 ? 2 * i : 2 * (i - 8) + 1);
 }
 
 /* The exported tile dots of every format (int8_activations.h), from a file's `tile`. */

@@ -45,6 +45,10 @@ void quantize_q8(int8_t *q, float *d, float *s, const float *x, int64_t K);
 /* q [K], d [K / 32], s [K / 32] = x [K] quantized to 16 bits. */
 void quantize_q16(int16_t *q, float *d, float *s, const float *x, int64_t K);
 
+/* A 16-bit token's q [K] put in the order Q4_0's and Q4_1's tile dots read it (int16_dot.c's unpack_block): in each
+ * half of each block of 32, its 8 even features, then its 8 odd ones (nibble_order_feature in int16_formats.h). */
+void nibble_order_q16(int16_t *q, int64_t K);
+
 /* A weight row of `blocks` blocks of its format times a quantized token: sum_k w[k] * d * q[k]. */
 typedef float int8_row_dot(const uint8_t *row, const q8_token *x, int64_t blocks);
 

@@ -16,22 +16,10 @@
 
 #include "half_float.h"
 #include "int8_activations.h"
+#include "kquant_scales.h"
 
 enum { QK_K = 256, GROUPS = QK_K / Q8_BLOCK, Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210 };
 enum format { Q4_K, Q5_K, Q6_K };
-
-/* Q4_K's and Q5_K's eight 6-bit scales and mins, from their 12 packed bytes (see kquant_linear.c): the low six
- * bits of words 0 (scales 0-3) and 1 (mins 0-3); word 2 the low nibbles of scales 4-7 and, as its high
- * nibbles, of mins 4-7, whose top two bits are bits 6-7 of words 0 and 1. */
-static inline void unpack_scales(const uint8_t *packed_bytes, uint8_t scales[GROUPS], uint8_t mins[GROUPS]) {
-    uint32_t packed[3];
-    memcpy(packed, packed_bytes, sizeof packed);
-    const uint32_t six = 0x3F3F3F3Fu, nibble = 0x0F0F0F0Fu, two = 0x03030303u;
-    const uint32_t words[4] = {packed[0] & six, (packed[2] & nibble) | ((packed[0] >> 6) & two) << 4,
-                               packed[1] & six, ((packed[2] >> 4) & nibble) | ((packed[1] >> 6) & two) << 4};
-    memcpy(scales, words, GROUPS);
-    memcpy(mins, words + 2, GROUPS);
-}
 
 #ifdef INT8_AVX2
 /* Eight bytes as eight floats. */

@@ -21,18 +21,19 @@
 #include "parallel.h"
 
 /* One weight format: ggml's type id, its block, its row dots with 8-bit activations and its tile dots with
- * 16-bit ones. */
+ * 16-bit ones, and whether those read x in nibble order (nibble_order_q16). */
 typedef struct {
     int ggml_type;
     int64_t block_weights, block_bytes;
     int8_row_dot *dot8;
     int16_tile_dot *tile16;
+    int nibble_order;
 } int8_format;
 
 static const int8_format FORMATS[] = {
-    {8, 32, 34, int8_dot_q8_0, int16_tile_q8_0},    {2, 32, 18, int8_dot_q4_0, int16_tile_q4_0},
-    {3, 32, 20, int8_dot_q4_1, int16_tile_q4_1},    {12, 256, 144, int8_dot_q4_k, int16_tile_q4_k},
-    {13, 256, 176, int8_dot_q5_k, int16_tile_q5_k}, {14, 256, 210, int8_dot_q6_k, int16_tile_q6_k},
+    {8, 32, 34, int8_dot_q8_0, int16_tile_q8_0, 0},    {2, 32, 18, int8_dot_q4_0, int16_tile_q4_0, 1},
+    {3, 32, 20, int8_dot_q4_1, int16_tile_q4_1, 1},    {12, 256, 144, int8_dot_q4_k, int16_tile_q4_k, 0},
+    {13, 256, 176, int8_dot_q5_k, int16_tile_q5_k, 0}, {14, 256, 210, int8_dot_q6_k, int16_tile_q6_k, 0},
 };
 
 /* Weights a unit of parallel work holds at least when many tokens share each row (as block_rows.c). */
@@ -109,6 +110,7 @@ static int integer_linear(int bits, float *y, int64_t ldy_token, int64_t ldy_row
         void *q = ints + m * K * value_bytes;
         if (tokens16) {
             quantize_q16(q, d, s, x + m * ldx, K);
+            if (format->nibble_order) nibble_order_q16(q, K);
             tokens16[m] = (q16_token){q, d, s};
         } else {
             quantize_q8(q, d, s, x + m * ldx, K);

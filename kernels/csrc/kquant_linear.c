@@ -50,6 +50,7 @@
 #include "block_rows.h"
 #include "byte_planes.h"
 #include "half_float.h"
+#include "kquant_scales.h"
 #include "vector_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -85,13 +86,10 @@ static inline __attribute__((always_inline)) super_scales unpack_block(const uin
         store(out.scale + LANES, d * bytes_to_floats(*(const bytes8 *)(block + 200) ^ 0x80, 128));
         return out;
     }
-    /* The 12 bytes as three words: the low 6 bits of words 0 (scales 0-3) and 1 (mins 0-3); word 2 the low
-     * nibbles of scales 4-7 and (high nibbles) mins 4-7, whose top 2 bits are bits 6-7 of words 0 and 1. */
-    uint32_t packed[3];
-    memcpy(packed, block + 4, sizeof packed);
-    const uint32_t six = 0x3F3F3F3Fu, nibble = 0x0F0F0F0Fu, two = 0x03030303u;
-    const vec scales = bytes_of_words(packed[0] & six, (packed[2] & nibble) | ((packed[0] >> 6) & two) << 4);
-    const vec mins = bytes_of_words(packed[1] & six, ((packed[2] >> 4) & nibble) | ((packed[1] >> 6) & two) << 4);
+    uint32_t words[4];
+    unpack_scale_words(block + 4, words);
+    const vec scales = bytes_of_words(words[0], words[1]);
+    const vec mins = bytes_of_words(words[2], words[3]);
     store(out.scale, splat(half_to_float(block)) * scales);
     store(out.min, splat(half_to_float(block + 2)) * mins);
     return out;

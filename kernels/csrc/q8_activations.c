@@ -102,3 +102,24 @@ static void quantize_block16(int16_t *q, float *d, float *s, const float *x) {
 void quantize_q16(int16_t *q, float *d, float *s, const float *x, int64_t K) {
     for (int64_t b = 0; b < K / Q8_BLOCK; ++b) quantize_block16(q + b * Q8_BLOCK, d + b, s + b, x + b * Q8_BLOCK);
 }
+
+/* Each half block's 16 integers: evens, then odds. AVX2: a byte shuffle within each 128-bit lane (its four even
+ * integers, then its four odd ones), then a permute of quadwords puts both lanes' evens first. */
+#ifdef INT8_AVX2
+void nibble_order_q16(int16_t *q, int64_t K) {
+    const __m256i evens_first = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8,
+                                                 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m256i lanes = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(q + k)), evens_first);
+        _mm256_storeu_si256((__m256i *)(q + k), _mm256_permute4x64_epi64(lanes, 0xD8));
+    }
+}
+#else
+void nibble_order_q16(int16_t *q, int64_t K) {
+    for (int64_t k = 0; k < K; k += 16) {
+        int16_t half[16];
+        for (int i = 0; i < 16; ++i) half[i] = q[k + (i < 8 ? 2 * i : 2 * (i - 8) + 1)];
+        for (int i = 0; i < 16; ++i) q[k + i] = half[i];
+    }
+}
+#endif
