@@ -32,6 +32,8 @@ from pagedserve.engine.core.messages import (
     StepOutput,
 )
 from pagedserve.engine.outputs import SequenceDelta
+from pagedserve.engine.structured.lltokenizer import serialized_tokenizer
+from pagedserve.engine.text.text_tokenizer import TokenizerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +97,10 @@ class Heartbeats:
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
+    tokenizer = engine.loaded.tokenizer
     return EngineInfo(
         model_dir=str(engine.loaded.model_dir),
-        tokenizer=str(engine.config.tokenizer or engine.loaded.model_dir),
+        tokenizer=TokenizerSpec.of(tokenizer, serialized_tokenizer(tokenizer)),  # serialized as the engine loaded
         trust_message_special_tokens=engine.config.trust_message_special_tokens,
         limits=engine.limits,
         max_queue_time=engine.config.max_queue_time,
