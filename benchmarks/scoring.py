@@ -91,7 +91,7 @@ def main() -> None:
     engine = AsyncEngine.from_config(engine_config(args)).start()
     if not engine.wait_ready():
         raise SystemExit(f"the engine failed to load: {engine.unavailable_reason()}")
-    tokenizer = engine.tokenizer.hf
+    tokenizer = engine.tokenizer.tokenizer
     tokens = [(tokenizer.encode(c), tokenizer.encode(x, add_special_tokens=False)) for c, x in pairs(args.pairs)]
     try:
         with BackgroundServer(create_app(engine, ServerSettings([MODEL]))) as server:

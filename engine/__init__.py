@@ -15,8 +15,7 @@ if TYPE_CHECKING:
     from pagedserve.engine.core.llm_engine import LLMEngine
     from pagedserve.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta, TokenLogprob
     from pagedserve.engine.sampling_params import SamplingParams, StructuredOutput
-    from pagedserve.engine.scheduling.scheduler import QueueFullError
-    from pagedserve.engine.validation import ContextLengthError, RequestLimits
+    from pagedserve.engine.validation import ContextLengthError, QueueFullError, RequestLimits
 
 # The names load on first use: `pagedserve serve` starts the engine core before this process imports torch.
 _HOMES = {
@@ -31,7 +30,7 @@ _HOMES = {
     "TokenLogprob": "pagedserve.engine.outputs",
     "SamplingParams": "pagedserve.engine.sampling_params",
     "StructuredOutput": "pagedserve.engine.sampling_params",
-    "QueueFullError": "pagedserve.engine.scheduling.scheduler",
+    "QueueFullError": "pagedserve.engine.validation",
     "ContextLengthError": "pagedserve.engine.validation",
     "RequestLimits": "pagedserve.engine.validation",
 }

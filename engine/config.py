@@ -14,6 +14,7 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 QUANTIZATIONS = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 ACTIVATION_DTYPES = ("auto", "float32", "int8", "int16")
 MODEL_IMPLS = ("auto", "native", "transformers")
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"  # the model served when none is named
 
 
 @dataclass

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from pagedserve.engine.sampling_params import SamplingParams
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_queue_len: the caller should retry later."""
+
+
 class ContextLengthError(ValueError):
     """The prompt does not fit the model's context; carries the numbers for the error message."""
 

@@ -15,7 +15,7 @@ from fastapi import Request
 
 from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.engine.client.async_stream import EngineUnavailableError
-from pagedserve.engine.worker import EMBEDDED_NAME
+from pagedserve.engine.config import EMBEDDED_NAME
 from pagedserve.server.errors import APIError, engine_unavailable
 from pagedserve.server.logprobs import TokenText
 from pagedserve.server.metrics import ServerMetrics

@@ -1,13 +1,13 @@
 """`pagedserve serve`'s server: the app, uvicorn and the drain around an engine core that is loading.
 
 Imported by the CLI only after it has started the core: these imports (FastAPI, pydantic's models, the engine's
-client, torch) take seconds that the core spends importing and loading the model at the same time.
+client) take a second or two that the core spends importing torch and loading the model at the same time. This
+process never imports torch or transformers: the core describes its tokenizer (engine/text/text_tokenizer.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import threading
 from typing import NoReturn
@@ -15,8 +15,8 @@ from typing import NoReturn
 import uvicorn
 
 from pagedserve.engine import AsyncEngine, EngineConfig
+from pagedserve.engine.config import EMBEDDED_NAME
 from pagedserve.engine.core.process import CoreConnection, exit_without_teardown
-from pagedserve.engine.worker import EMBEDDED_NAME
 from pagedserve.server.app import create_app
 from pagedserve.server.context import ServerSettings
 from pagedserve.server.door import Door
@@ -25,7 +25,6 @@ from pagedserve.server.logs import uvicorn_text_logging
 from pagedserve.server.shutdown import ABORT_GRACE_SECONDS, DrainingServer
 
 logger = logging.getLogger("pagedserve")
-TOKENIZER_IMPORTS = ("transformers.activations", "transformers.models.auto.tokenization_auto")
 
 
 def run_server(args: argparse.Namespace, config: EngineConfig, core: CoreConnection) -> NoReturn:
@@ -57,26 +56,14 @@ def run_server(args: argparse.Namespace, config: EngineConfig, core: CoreConnect
     server = DrainingServer(uvicorn_config, app.state.serving, args.shutdown_timeout)
     engine.on_death(lambda: _stop_serving(server))
     engine.start()  # a no-op where the core runs already; /ready says 503 until it has loaded
-    threading.Thread(target=_warm_tokenizer_imports, name="pagedserve-warm-imports", daemon=True).start()
     threading.Thread(target=_stop_if_load_fails, args=(engine, server), daemon=True).start()
     try:
         server.run()
     finally:
         engine.shutdown()
     # Connections are closed and the core has ended: nothing is left that the interpreter's teardown would do
-    # but free torch's, transformers' and the tokenizer's objects one by one, seconds of CPU on a stop's clock.
+    # but free the app's and the tokenizer's objects one by one, CPU time on a stop's clock.
     exit_without_teardown(0 if engine.is_healthy else 1)
-
-
-def _warm_tokenizer_imports() -> None:
-    """Imports now, while the core loads, what loading the tokenizer will import once the core is ready:
-    transformers' configuration and activation modules pull in torch.distributed's tensor package, 2-4 s that
-    would otherwise come after the model has loaded, before /ready turns 200."""
-    for name in TOKENIZER_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # another transformers release: the tokenizer's load imports what it needs
-            logger.debug("could not import %s ahead of the tokenizer", name)
 
 
 def _stop_serving(server: DrainingServer) -> None:

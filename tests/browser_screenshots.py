@@ -14,8 +14,9 @@ from pathlib import Path
 import httpx
 
 from pagedserve.engine import EngineConfig
+from pagedserve.engine.config import EMBEDDED_NAME
 from pagedserve.engine.worker.model_loader import load_model
-from pagedserve.engine.worker.weights.checkpoint import EMBEDDED_NAME, embedded_gguf_path
+from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path
 from pagedserve.engine.worker.weights.gguf_files import dequantized_model_dir
 from pagedserve.server import ServerSettings
 from tests.browser import Browser, require_chromium

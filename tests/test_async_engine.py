@@ -12,7 +12,7 @@ import pytest
 from pagedserve.engine import ContextLengthError, EngineConfig, LLMEngine, SamplingParams, SequenceDelta
 from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.engine.client.async_stream import EngineUnavailableError
-from pagedserve.engine.scheduling.scheduler import QueueFullError
+from pagedserve.engine.validation import QueueFullError
 from pagedserve.engine.worker.model_loader import LoadedModel
 
 CONFIG = EngineConfig(num_kv_blocks=64, max_num_seqs=16, max_logprobs=5)

@@ -8,7 +8,7 @@ import pytest
 import transformers
 
 from benchmarks import tensor_parallel_gpu as bench
-from pagedserve.engine.text.tokenizer import load_tokenizer
+from pagedserve.engine.text.hf_tokenizer import load_tokenizer
 from pagedserve.engine.worker.models.spec import ModelSpec
 
 

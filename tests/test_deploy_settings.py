@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.server import cli, serve, settings
+from pagedserve.server import cli, settings
 
 SETTINGS_FILE = Path(settings.__file__)
 ENVIRONMENT = {"PAGEDSERVE_HOST": "0.0.0.0", "PAGEDSERVE_PORT": "8000", "PAGEDSERVE_SHUTDOWN_TIMEOUT": "3"}
@@ -145,12 +145,3 @@ def test_the_healthcheck_file_runs_alone_and_quickly(health_server: int) -> None
     assert result.returncode == 0, result.stderr[-2000:]
     imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line]
     assert not [name for name in imported if name.split(".")[0] in ("pagedserve", "torch")], imported
-
-
-def test_the_modules_warmed_while_the_core_loads_exist() -> None:
-    """serve imports them ahead of the tokenizer; a transformers release that renames one would silently undo
-    that (the start still works: the names are only a head start)."""
-    import importlib.util
-
-    for name in serve.TOKENIZER_IMPORTS:
-        assert importlib.util.find_spec(name) is not None, name

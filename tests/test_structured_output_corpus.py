@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedserve.engine import StructuredOutput
 from pagedserve.engine.structured.grammar import GrammarCompiler
-from pagedserve.engine.text.tokenizer import load_tokenizer
+from pagedserve.engine.text.hf_tokenizer import load_tokenizer
 from tests.structured_corpus import CORPUS, FORMAT_CHECKER, Case
 
 VOCAB_SIZE = 49152

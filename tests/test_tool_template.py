@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.engine.text.tokenizer import PromptTokenizer, apply_chat_template, load_tokenizer
+from pagedserve.engine.text.hf_tokenizer import load_tokenizer
+from pagedserve.engine.text.tokenizer import PromptTokenizer, apply_chat_template
 from pagedserve.engine.text.tool_template import (
     default_tool_definitions,
     messages_with_default_tool_template,

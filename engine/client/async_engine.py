@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.engine.client.async_stream import (
     EngineObserver,
@@ -28,7 +28,6 @@ from pagedserve.engine.client.async_stream import (
     hand_over,
 )
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.core.messages import (
     AbortRequests,
     AddRequest,
@@ -48,7 +47,10 @@ from pagedserve.engine.structured.grammar import GrammarCompiler
 from pagedserve.engine.text.tokenizer import Message, PromptTokenizer
 from pagedserve.engine.text.tool_template import Tool
 from pagedserve.engine.validation import RequestLimits, check_request
-from pagedserve.engine.worker import LoadedModel
+
+if TYPE_CHECKING:  # the caller's side stays torch-free: only a core on a thread of this process needs these
+    from pagedserve.engine.core.llm_engine import LLMEngine
+    from pagedserve.engine.worker import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -287,8 +289,8 @@ class AsyncEngine:
 
     def _on_ready(self, ready: Ready) -> None:
         try:
-            self._tokenizer = PromptTokenizer.load(*ready.info.tokenizer_settings())
-            self._grammars = GrammarCompiler(self._tokenizer.hf, ready.info.limits.vocab_size, frozenset())
+            self._tokenizer = PromptTokenizer.from_spec(ready.info.tokenizer, ready.info.trust_message_special_tokens)
+            self._grammars = GrammarCompiler(self._tokenizer.tokenizer, ready.info.limits.vocab_size, frozenset())
         except Exception as exc:
             logger.exception("the tokenizer failed to load")
             self._die(f"the tokenizer failed to load: {exc!r}")

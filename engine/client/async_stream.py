@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pagedserve.engine.outputs import SequenceDelta
-from pagedserve.engine.scheduling.scheduler import QueueFullError
+from pagedserve.engine.validation import QueueFullError
 
 
 class EngineUnavailableError(RuntimeError):

@@ -11,13 +11,12 @@ import itertools
 import time
 import weakref
 from collections.abc import Generator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from pagedserve.engine.client.async_stream import EngineUnavailableError
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.core.llm_engine import EngineStats
 from pagedserve.engine.core.messages import (
     AbortRequests,
     AddRequest,
@@ -33,9 +32,13 @@ from pagedserve.engine.core.process import CoreGone, connect_core
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured.grammar import GrammarCompiler
+from pagedserve.engine.text.text_tokenizer import TextTokenizer
 from pagedserve.engine.text.tokenizer import Message, PromptTokenizer
 from pagedserve.engine.validation import check_request
-from pagedserve.engine.worker import LoadedModel
+
+if TYPE_CHECKING:  # like the server's process, this one imports no torch unless the core runs on its thread
+    from pagedserve.engine.core.llm_engine import EngineStats
+    from pagedserve.engine.worker import LoadedModel
 
 Prompt = str | list[int]
 
@@ -63,12 +66,13 @@ class LLM:
         if not isinstance(ready, Ready):
             raise EngineUnavailableError(f"unexpected first message from the engine core: {ready!r}")
         self.info: EngineInfo = ready.info
-        self._prompts = PromptTokenizer.load(*ready.info.tokenizer_settings())
-        self._grammars = GrammarCompiler(self._prompts.hf, ready.info.limits.vocab_size, frozenset())
+        self._prompts = PromptTokenizer.from_spec(ready.info.tokenizer, ready.info.trust_message_special_tokens)
+        self._grammars = GrammarCompiler(self._prompts.tokenizer, ready.info.limits.vocab_size, frozenset())
 
     @property
-    def tokenizer(self):
-        return self._prompts.hf
+    def tokenizer(self) -> TextTokenizer:
+        """The model's tokenizer: encode, decode and apply_chat_template as transformers' tokenizers name them."""
+        return self._prompts.tokenizer
 
     # ---- generation --------------------------------------------------------------------------------
 

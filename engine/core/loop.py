@@ -6,6 +6,7 @@ offline API, or a thread beside the caller. Only this loop touches the LLMEngine
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -32,6 +33,8 @@ from pagedserve.engine.core.messages import (
     StepOutput,
 )
 from pagedserve.engine.outputs import SequenceDelta
+from pagedserve.engine.structured.lltokenizer import serialized_tokenizer
+from pagedserve.engine.text.text_tokenizer import TokenizerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +100,8 @@ class Heartbeats:
 def engine_info(engine: LLMEngine) -> EngineInfo:
     return EngineInfo(
         model_dir=str(engine.loaded.model_dir),
-        tokenizer=str(engine.config.tokenizer or engine.loaded.model_dir),
+        tokenizer=_tokenizer_spec(engine),
         trust_message_special_tokens=engine.config.trust_message_special_tokens,
-        chat_template=engine.config.chat_template_text(),
         limits=engine.limits,
         max_queue_time=engine.config.max_queue_time,
         request_timeout=engine.config.request_timeout,
@@ -192,3 +194,12 @@ def _take(inbox: queue.SimpleQueue[Command], block: bool, timeout: float | None 
             commands.append(inbox.get_nowait())
         except queue.Empty:
             return commands
+
+
+def _tokenizer_spec(engine: LLMEngine) -> TokenizerSpec:
+    """The core's tokenizer as its callers get it: serialized as the engine loaded it, with --chat-template's
+    template in place of its own where one is set."""
+    tokenizer = engine.loaded.tokenizer
+    spec = TokenizerSpec.of(tokenizer, serialized_tokenizer(tokenizer))
+    template = engine.config.chat_template_text()
+    return spec if template is None else dataclasses.replace(spec, chat_template=template)

@@ -1,4 +1,5 @@
 """What crosses between the engine's public API and its core, in either direction (picklable dataclasses).
+Torch-free, like every module the caller's side imports (tests/test_layering.py holds the list).
 
 The core may run on a thread of the caller's process or in a process of its own (engine/core/process.py):
 the messages are the same, so the two differ only in how they travel.
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.engine.outputs import SequenceDelta
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.text.text_tokenizer import TokenizerSpec
 from pagedserve.engine.validation import RequestLimits
 
 # ---- to the core ----------------------------------------------------------------------------------------
@@ -59,7 +61,7 @@ class EngineInfo:
     """What the caller's side learns once the core has loaded its model."""
 
     model_dir: str
-    tokenizer: str  # where to load the tokenizer from
+    tokenizer: TokenizerSpec  # the core's tokenizer, for the caller's side to tokenize and render chats with
     trust_message_special_tokens: bool  # EngineConfig's: how chat message text is tokenized
     limits: RequestLimits
     max_queue_time: float | None  # seconds a request may wait to be scheduled (None: no limit)
@@ -69,11 +71,6 @@ class EngineInfo:
     device: str
     pid: int  # the core's process
     heartbeat_timeout: float = 5.0  # seconds of silence (heartbeats included) after which the core counts as wedged
-    chat_template: str | None = None  # EngineConfig's, as text: used instead of the tokenizer's own
-
-    def tokenizer_settings(self) -> tuple[str, bool, str | None]:
-        """PromptTokenizer.load's arguments: where the tokenizer is and how chat messages are read."""
-        return self.tokenizer, self.trust_message_special_tokens, self.chat_template
 
 
 @dataclass(frozen=True)

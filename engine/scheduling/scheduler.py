@@ -17,10 +17,7 @@ from pagedserve.engine.outputs import scored_positions
 from pagedserve.engine.scheduling.kv_cache_manager import KVCacheManager
 from pagedserve.engine.scheduling.parallel_sampling import PendingForks
 from pagedserve.engine.scheduling.request import Request, RequestStatus
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at max_queue_len: the caller should retry later."""
+from pagedserve.engine.validation import QueueFullError
 
 
 @dataclass

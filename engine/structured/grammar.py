@@ -17,12 +17,12 @@ from collections import OrderedDict
 from typing import Any
 
 import llguidance
-from transformers import PreTrainedTokenizerBase
 
 from pagedserve.engine.sampling_params import StructuredOutput
 from pagedserve.engine.structured.lltokenizer import serialized_tokenizer, shared_lltokenizer
 from pagedserve.engine.structured.sandbox import GrammarSandbox, Verdict, shared_sandbox
 from pagedserve.engine.structured.threads import StackedThreads
+from pagedserve.engine.text.text_tokenizer import FastTokenizer
 
 # Set explicitly, the same in every process that compiles (the sandbox's children get them from here).
 PARSER_LIMITS: dict[str, Any] = {
@@ -73,7 +73,7 @@ class GrammarCompiler:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: FastTokenizer,
         vocab_size: int,
         eos_token_ids: frozenset[int],
         cache_size: int = 512,
@@ -83,7 +83,7 @@ class GrammarCompiler:
     ) -> None:
         self._hf = tokenizer
         self._vocab_size = vocab_size
-        self._eos: list[int] | int = sorted(eos_token_ids) or tokenizer.eos_token_id
+        self._eos: list[int] | int | None = sorted(eos_token_ids) or tokenizer.eos_token_id
         self._limits = dict(limits)
         self._probe_tokens = probe_tokens
         self._cache_size = cache_size

@@ -12,15 +12,18 @@ import weakref
 from copy import copy
 
 import llguidance
-from transformers import PreTrainedTokenizerBase
+
+from pagedserve.engine.text.text_tokenizer import FastTokenizer, TextTokenizer
 
 _LOCK = threading.Lock()
-_SERIALIZED: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, str] = weakref.WeakKeyDictionary()
+_SERIALIZED: weakref.WeakKeyDictionary[FastTokenizer, str] = weakref.WeakKeyDictionary()
 _BUILT: dict[tuple[bytes, int, str], llguidance.LLTokenizer] = {}
 
 
-def serialized_tokenizer(tokenizer: PreTrainedTokenizerBase) -> str:
+def serialized_tokenizer(tokenizer: FastTokenizer) -> str:
     """The tokenizer's JSON as llguidance.hf.from_tokenizer writes it (any fast tokenizer)."""
+    if isinstance(tokenizer, TextTokenizer):
+        return tokenizer.spec.backend_json  # serialized so already, by the core that described it
     with _LOCK:
         found = _SERIALIZED.get(tokenizer)
         if found is None:

@@ -22,9 +22,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from tokenizers import Tokenizer
-from transformers import PreTrainedTokenizerBase
 
 OPEN, CLOSE = "\ufdd0", "\ufdd1"  # noncharacters: reserved for a program's own use, never in text
 _FENCE = re.compile(f"{OPEN}(.*?){CLOSE}", re.DOTALL)
@@ -36,10 +34,11 @@ Render = Callable[[list[Message], dict[str, Any]], str]  # messages, template kw
 class MessageTextGuard:
     """Encodes a rendered chat prompt so that special tokens only come from the template."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: Any) -> None:
+        """`tokenizer`: a TextTokenizer, or transformers' fast tokenizer (the same names)."""
         self._tokenizer = tokenizer
         special = {token.content: index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
-        self._special_ids = torch.tensor(sorted(special.values()), dtype=torch.long)
+        self._special_ids = frozenset(special.values())
         longest_first = sorted(special, key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, longest_first))) if special else None
         self._as_text: Tokenizer | None = None  # built on first use
@@ -63,13 +62,14 @@ class MessageTextGuard:
                 "a message holds the text of a special token, and this model's chat template changes message "
                 "text in a way that keeps it from being tokenized as plain text"
             )
-        encoding = self._tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
-        ids: list[int] = encoding["input_ids"]
-        offsets: list[tuple[int, int]] = encoding["offset_mapping"]
-        special_positions = torch.isin(torch.tensor(ids, dtype=torch.long), self._special_ids).nonzero().flatten()
+        encoding = self._tokenizer.backend_tokenizer.encode(rendered, add_special_tokens=False)
+        ids: list[int] = encoding.ids
+        offsets: list[tuple[int, int]] = encoding.offsets
+        special = self._special_ids  # a prompt whose messages hold special tokens' text: rare, so plain Python
+        special_positions = [position for position, token in enumerate(ids) if token in special]
         result: list[int] = []
         done = 0
-        for position in special_positions.tolist():
+        for position in special_positions:
             start, end = offsets[position]
             if any(low <= start and end <= high for low, high in spans):
                 result += ids[done:position]

@@ -1,4 +1,8 @@
-"""Tokenizer loading and chat templates (transformers does the work)."""
+"""The caller's side of tokenization: prompts, chat templates and token texts, off the event loop.
+
+It works on a TextTokenizer (tokenizers + jinja2): the API process never imports transformers, nor the torch
+that transformers brings. A transformers tokenizer given instead is described once and read the same way.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +12,13 @@ import contextlib
 import functools
 import json
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 import jinja2
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.engine.text.chat_tokens import Message, MessageTextGuard
 from pagedserve.engine.text.system_prompt import system_folded_into_first_user
+from pagedserve.engine.text.text_tokenizer import TextTokenizer, TokenizerSpec, json_safe
 from pagedserve.engine.text.tool_template import Tool, messages_and_tools_for_template
 
 T = TypeVar("T")
@@ -34,30 +37,8 @@ MESSAGE_WEIGHT_CHARS = 64  # a message's cost to render, counted as this many ch
 WRAPPING_PROBE = "hello"
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if not getattr(tokenizer, "is_fast", False) or getattr(tokenizer, "backend_tokenizer", None) is None:
-        raise ValueError(f"{path}: pagedserve needs a fast (tokenizers) tokenizer")
-    return tokenizer
-
-
-def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """Every token that ends generation: from the config, generation_config.json and the tokenizer."""
-    ids: set[int] = set()
-    candidates: list[Any] = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
-    generation_config = model_dir / "generation_config.json"
-    if generation_config.exists():
-        candidates.append(json.loads(generation_config.read_text()).get("eos_token_id"))
-    for value in candidates:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    return frozenset(ids)
-
-
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Any,
     messages: list[Message],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
@@ -68,7 +49,8 @@ def apply_chat_template(
 
     `tools` (OpenAI tool definitions) go to templates that render tools; other templates get them, and any tool
     calls and results in the history, as text in the messages (tool_template). `template_kwargs` are the
-    template's own switches (`enable_thinking`, ...), checked by `check_template_kwargs`.
+    template's own switches (`enable_thinking`, ...), checked by `check_template_kwargs`. `tokenizer` is a
+    TextTokenizer or transformers' own: they render alike (tests/test_text_tokenizer.py).
     """
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; use the completions API instead")
@@ -92,7 +74,7 @@ def apply_chat_template(
 
 
 def _render(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Any,
     messages: list[Message],
     add_generation_prompt: bool,
     continue_final_message: bool,
@@ -101,7 +83,7 @@ def _render(
 ) -> Any:
     return tokenizer.apply_chat_template(
         messages,
-        tools=tools,  # type: ignore[arg-type]  # dicts of str keys are what transformers takes
+        tools=tools,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
@@ -109,7 +91,7 @@ def _render(
     )
 
 
-def check_template_kwargs(tokenizer: PreTrainedTokenizerBase, kwargs: TemplateKwargs) -> TemplateKwargs:
+def check_template_kwargs(tokenizer: Any, kwargs: TemplateKwargs) -> TemplateKwargs:
     """`kwargs` as they may reach a chat template, or ValueError: a name that is one of apply_chat_template's own
     parameters (the request has a field for each) or one of the tokenizer's special tokens (the template's
     `bos_token` is the tokenizer's, not a client's) is refused. Names the template never reads change nothing."""
@@ -128,35 +110,33 @@ class PromptTokenizer:
     millisecond, less than the hop to a pool thread and back (which waits for the GIL on a busy process).
 
     The server uses the tokenizer through this class only (decode, token_text, chat_template), never through
-    the library's object in `hf`.
+    the TextTokenizer in `tokenizer`.
     """
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, max_workers: int = 2, trust_message_special_tokens: bool = False
+        self, tokenizer: TextTokenizer | Any, max_workers: int = 2, trust_message_special_tokens: bool = False
     ) -> None:
-        self.hf = tokenizer
+        if not isinstance(tokenizer, TextTokenizer):  # transformers' (tests, benchmarks): read as the API reads it
+            tokenizer = TextTokenizer(TokenizerSpec.of(tokenizer))
+        self.tokenizer = tokenizer
         self._guard = None if trust_message_special_tokens else MessageTextGuard(tokenizer)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="pagedserve-tokenizer")
         self._token_texts = functools.lru_cache(maxsize=TOKEN_TEXT_CACHE)(self._one_token_text)
 
     @classmethod
-    def load(
-        cls, path: str | Path, trust_message_special_tokens: bool = False, chat_template: str | None = None
-    ) -> PromptTokenizer:
-        """The tokenizer at `path`; with `chat_template`, that template instead of its own."""
-        tokenizer = load_tokenizer(path)
-        if chat_template is not None:
-            tokenizer.chat_template = chat_template
-        return cls(tokenizer, trust_message_special_tokens=trust_message_special_tokens)
+    def from_spec(cls, spec: TokenizerSpec, trust_message_special_tokens: bool = False) -> PromptTokenizer:
+        """The tokenizer the engine core described (EngineInfo.tokenizer)."""
+        return cls(TextTokenizer(spec), trust_message_special_tokens=trust_message_special_tokens)
 
     @property
     def chat_template(self) -> str | None:
-        """The model's chat template as its tokenizer holds it (None: it has none)."""
-        return self.hf.chat_template
+        """The model's chat template (its default one, where it names several; None: it has none)."""
+        templates = self.tokenizer.chat_template
+        return templates.get("default") if isinstance(templates, dict) else templates
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of `token_ids`, special tokens included."""
-        text = self.hf.decode(list(token_ids))
+        text = self.tokenizer.decode(list(token_ids))
         assert isinstance(text, str)  # a list comes back only for batched input
         return text
 
@@ -166,17 +146,16 @@ class PromptTokenizer:
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """The tokens' own strings in the vocabulary (byte-level pieces like 'Ġworld'), not their text."""
-        strings = self.hf.convert_ids_to_tokens(list(token_ids))
-        assert isinstance(strings, list)
+        strings: list[Any] = self.tokenizer.convert_ids_to_tokens(list(token_ids))  # None: an id past the vocabulary
         return strings
 
     def info(self) -> dict[str, Any]:
         """The tokenizer's class and configuration as JSON (vLLM's /tokenizer_info); local file paths left out."""
-        config = {k: v for k, v in self.hf.init_kwargs.items() if not k.endswith(("_file", "name_or_path"))}
-        added = {str(index): vars_of(token) for index, token in self.hf.added_tokens_decoder.items()}
-        info = {"tokenizer_class": type(self.hf).__name__, **config, "added_tokens_decoder": added}
-        info["chat_template"] = self.hf.chat_template
-        info["model_max_length"] = self.hf.model_max_length
+        config = {k: v for k, v in self.tokenizer.init_kwargs.items() if not k.endswith(("_file", "name_or_path"))}
+        added = {str(index): vars_of(token) for index, token in self.tokenizer.added_tokens_decoder.items()}
+        info = {"tokenizer_class": self.tokenizer.spec.class_name, **config, "added_tokens_decoder": added}
+        info["chat_template"] = self.tokenizer.chat_template
+        info["model_max_length"] = self.tokenizer.model_max_length
         return json_safe(info)
 
     def _one_token_text(self, token_id: int) -> str:
@@ -184,7 +163,7 @@ class PromptTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         with _invalid_text_as_value_error(text):
-            return self.hf.encode(text, add_special_tokens=add_special_tokens)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat(
         self,
@@ -196,7 +175,7 @@ class PromptTokenizer:
     ) -> str:
         """The prompt's text, as encode_chat renders it (llama.cpp's /apply-template)."""
         return apply_chat_template(
-            self.hf, messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+            self.tokenizer, messages, add_generation_prompt, continue_final_message, tools, template_kwargs
         )
 
     def encode_chat(
@@ -214,7 +193,7 @@ class PromptTokenizer:
 
         def render(messages: list[Message], template_kwargs: TemplateKwargs) -> str:
             return apply_chat_template(
-                self.hf, messages, add_generation_prompt, continue_final_message, tools, template_kwargs
+                self.tokenizer, messages, add_generation_prompt, continue_final_message, tools, template_kwargs
             )
 
         kwargs = template_kwargs or {}
@@ -223,7 +202,7 @@ class PromptTokenizer:
             if self._guard is not None and self._guard.is_needed(messages, kwargs):
                 ids = self._guard.encode(messages, kwargs, text, render)
             else:
-                ids = self.hf.encode(text, add_special_tokens=False)
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
         if add_special_tokens:
             prefix, suffix = self._special_wrapping
             ids = [*prefix, *ids, *suffix]
@@ -233,8 +212,8 @@ class PromptTokenizer:
     def _special_wrapping(self) -> tuple[list[int], list[int]]:
         """The ids the tokenizer puts before and after a text's own when asked for its special tokens (a BOS,
         usually): found around a one-word text, as they do not depend on the text."""
-        plain = self.hf.encode(WRAPPING_PROBE, add_special_tokens=False)
-        wrapped = self.hf.encode(WRAPPING_PROBE, add_special_tokens=True)
+        plain = self.tokenizer.encode(WRAPPING_PROBE, add_special_tokens=False)
+        wrapped = self.tokenizer.encode(WRAPPING_PROBE, add_special_tokens=True)
         for start in range(len(wrapped) - len(plain) + 1):
             if wrapped[start : start + len(plain)] == plain:
                 return wrapped[:start], wrapped[start + len(plain) :]
@@ -276,17 +255,6 @@ def vars_of(token: Any) -> dict[str, Any]:
     """An added token's fields (content, special, lstrip, ...)."""
     state = token.__getstate__()
     return dict(state) if isinstance(state, dict) else {"content": str(token)}
-
-
-def json_safe(value: Any) -> Any:
-    """`value` as JSON holds it: containers walked, anything else that is not a JSON scalar as its text."""
-    if isinstance(value, dict):
-        return {str(key): json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(item) for item in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
 
 
 @contextlib.contextmanager

@@ -6,12 +6,13 @@ the rest of the engine and the server name only what is listed here. Modules ins
 by their full path, never through this face.
 """
 
+from pagedserve.engine.config import EMBEDDED_NAME
 from pagedserve.engine.worker.distributed.liveness import RankLostError
 from pagedserve.engine.worker.draft_model import load_draft_runner
 from pagedserve.engine.worker.executor import ModelExecutor
 from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.model_runner import ModelRunner
-from pagedserve.engine.worker.weights.checkpoint import EMBEDDED_NAME, embedded_gguf_path, resolve_model_dir
+from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path, resolve_model_dir
 from pagedserve.engine.worker.weights.gguf_files import dequantized_model_dir, gguf_model_dir
 
 __all__ = [

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.text.tokenizer import eos_token_ids, load_tokenizer
+from pagedserve.engine.text.hf_tokenizer import eos_token_ids, load_tokenizer
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
 from pagedserve.engine.worker.kv_sizing import model_len_limit
 from pagedserve.engine.worker.loaded_model import LoadedModel

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.text.tokenizer import eos_token_ids, load_tokenizer
+from pagedserve.engine.text.hf_tokenizer import eos_token_ids, load_tokenizer
 from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.model_impl import architecture_name
 from pagedserve.engine.worker.models.transformers_attention import ATTENTION_NAME, register_paged_attention

