@@ -9,8 +9,8 @@ What sets them apart from the Llama family (llama.py), as transformers computes 
 - embeddings scaled by sqrt(hidden_size), queries by query_pre_attn_scalar ** -0.5;
 - a GELU (tanh) gated MLP; Gemma 3's q/k norms and its RoPE bases per layer type (rope_local_base_freq for the
   sliding layers).
-Every layer keeps the whole context's KV blocks (one block table for all layers): a windowed layer reads only
-its window, but its blocks before the window are not given back.
+The layers form KV cache groups by attention kind (kv_groups.py): each group has its own block tables, and a
+windowed group's blocks go back to the pool once they fall out of its window (scheduling/windowed_blocks.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
+from pagedserve.engine.worker.kv_groups import kv_cache_groups
 from pagedserve.engine.worker.models.gemma_settings import (
     NORM_SUFFIX,
     GemmaRotary,
@@ -170,11 +171,16 @@ class GemmaForCausalLM(LlamaForCausalLM):
         )
         self.quantized_head: AnyQuantizedWeight | None = None
         self.native_decoder: FusedLayers | None = None  # stays None: see native_decoder.py
+        self.kv_groups = kv_cache_groups([self.settings.window(i) for i in range(spec.num_layers)])
+        group_of_layer = self.kv_groups.group_of_layer()
+        self.kv_group_of_layer = [group_of_layer[i] for i in range(spec.num_layers)]
+        self.shares_kv_caches = False  # whether layers of different groups share cache tensors (bind_kv_caches)
 
     def bind_kv_caches(self, caches: list[KVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             assert isinstance(layer, GemmaDecoderLayer)
             layer.self_attn.kv_cache = cache
+        self.shares_kv_caches = len({id(k_cache) for k_cache, _ in caches}) < len(caches)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         embeddings = self.embed_tokens(input_ids)
@@ -183,10 +189,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
         embeddings = embeddings * _rounded(self.spec.hidden_size**0.5, embeddings.dtype)
         angles = self.rotary_by_type.angles(positions)
         hidden = self.backend.in_linear_output_layout(embeddings)
+        # Caches shared by the KV cache groups need each group's block tables; caches of their own (a draft model,
+        # profiling) take the one table for all layers.
+        by_group = metadata.groups or [metadata] * self.kv_groups.num_groups
+        assert metadata.groups or not self.shares_kv_caches, "grouped KV caches need each group's block tables"
         residual = None
-        for layer in self.layers:
+        for layer, group in zip(self.layers, self.kv_group_of_layer):
             assert isinstance(layer, GemmaDecoderLayer)
-            hidden, residual = layer(angles[layer.layer_type], hidden, residual, metadata)
+            hidden, residual = layer(angles[layer.layer_type], hidden, residual, by_group[group])
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_and_forward(hidden, residual)[0]
 
