@@ -133,7 +133,9 @@ class WindowedBlocks:
         full = min(num_tokens, request.num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
         for index in range(done, full):
             if blocks[index] is not NULL_BLOCK:
-                self.pool.register(blocks[index], request.block_hashes[index] + self.tag, self._tokens(request, index), None)
+                self.pool.register(
+                    blocks[index], request.block_hashes[index] + self.tag, self._tokens(request, index), None
+                )
         self._num_registered[request.request_id] = max(done, full)
 
     def _cached(self, request: Request, index: int) -> KVBlock | None:

@@ -78,9 +78,7 @@ class DecodeBuffers:
         self.slot_mapping = torch.full((num_kv_groups, max_batch), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # one token each
-        self.block_tables = torch.zeros(
-            num_kv_groups, max_batch, max_blocks_per_seq, dtype=torch.int32, device=device
-        )
+        self.block_tables = torch.zeros(num_kv_groups, max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -68,7 +68,12 @@ class ModelExecutor:
             if self.workers is not None:
                 self.workers.allocate(plan.num_blocks, plan.block_size)
             caches = allocate_kv_caches(
-                loaded.rank_spec, plan.num_blocks, plan.block_size, loaded.dtype, loaded.device, model_kv_groups(loaded.model)
+                loaded.rank_spec,
+                plan.num_blocks,
+                plan.block_size,
+                loaded.dtype,
+                loaded.device,
+                model_kv_groups(loaded.model),
             )
             self._runner = ModelRunner(loaded.model, loaded.backend, block_tables, caches, loaded.device)
             if self._use_cuda_graphs():

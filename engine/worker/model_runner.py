@@ -63,7 +63,14 @@ class ShardRunner:
     def capture_decode_graphs(self, batch_sizes: list[int], max_seq_len: int, capture: Capture) -> None:
         """From now on decode-only steps of up to max(batch_sizes) sequences replay recorded graphs."""
         self.decode_graphs = DecodeGraphs(
-            self.model, self.backend, self.block_size, max_seq_len, batch_sizes, capture, self.device, self.num_kv_groups
+            self.model,
+            self.backend,
+            self.block_size,
+            max_seq_len,
+            batch_sizes,
+            capture,
+            self.device,
+            self.num_kv_groups,
         )
 
     def to_inputs(self, batch: HostBatch, prompt_rows: list[PromptRows] | None = None) -> StepInputs:
