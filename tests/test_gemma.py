@@ -19,6 +19,7 @@ from pagedserve.engine import SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.scheduling.hybrid_kv_cache_manager import HybridKVCacheManager
+from pagedserve.engine.worker.cuda_graphs import eager_capture
 from pagedserve.engine.worker.kv_groups import kv_cache_groups
 from pagedserve.engine.worker.model_loader import LoadedModel, load_model
 from pagedserve.engine.worker.models.gemma import GemmaForCausalLM
@@ -234,6 +235,24 @@ def test_triton_backend_matches_transformers(tmp_path: Path, smol_dir: Path) -> 
     assert got[0].outputs[0].token_ids == expected
 
 
+def test_decode_graphs_read_each_groups_block_tables(tmp_path: Path, smol_dir: Path) -> None:
+    """Recorded decode steps (here replayed by running them again: no GPU) hold each KV cache group's tables."""
+    folder = tmp_path / "gemma2-hd64"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(GEMMA_COMMON, "head_dim", 64)
+        save_tiny_gemma("gemma2", folder, smol_dir)
+    prompt = list(range(500, 520))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
+    engine = LLMEngine(mixed_config(folder, attention_backend="triton", max_num_batched_tokens=8))
+    engine.runner.capture_decode_graphs([1, 2], engine.max_model_len, eager_capture)
+    engine.add_request("0", prompt, SamplingParams(temperature=0.0, max_tokens=12))
+    tokens, _ = _run(engine)
+    assert tokens["0"] == expected
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.num_replays >= 10 and graphs.buffers.block_tables.shape[0] == 2
+
+
 def test_two_ranks_match_transformers(gemma_dir, reference) -> None:
     """Split over two ranks (gloo): heads, MLP width and vocabulary; Gemma's norms whole on every rank."""
     config = mixed_config(gemma_dir, tensor_parallel_size=2, num_threads=1)
@@ -253,7 +272,11 @@ def test_two_ranks_match_transformers(gemma_dir, reference) -> None:
 def test_speculative_decoding_matches_transformers(gemma_loaded, gemma_dir, reference) -> None:
     """Proposed tokens verified several rows at a time, each row over its own window."""
     config = mixed_config(
-        gemma_dir, speculative_method="ngram", ngram_min=1, num_kv_blocks=64, max_num_batched_tokens=256
+        gemma_dir,
+        speculative_method="ngram",
+        ngram_min=1,
+        num_kv_blocks=64 * _num_kv_groups(gemma_dir),
+        max_num_batched_tokens=256,
     )
     engine = LLMEngine(config, loaded=gemma_loaded)
     for i, ids in enumerate(PROMPTS):
