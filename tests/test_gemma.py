@@ -229,7 +229,9 @@ def test_triton_backend_matches_transformers(tmp_path: Path, smol_dir: Path) -> 
     prompt = list(range(500, 520))
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :].tolist()
-    config = mixed_config(folder, attention_backend="triton", max_num_batched_tokens=8, engine_process=False)
+    config = mixed_config(
+        folder, attention_backend="triton", max_num_batched_tokens=8, block_size=8, engine_process=False
+    )
     with LLM.from_config(config) as llm:
         got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     assert got[0].outputs[0].token_ids == expected
@@ -244,7 +246,7 @@ def test_decode_graphs_read_each_groups_block_tables(tmp_path: Path, smol_dir: P
     prompt = list(range(500, 520))
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
-    engine = LLMEngine(mixed_config(folder, attention_backend="triton", max_num_batched_tokens=8))
+    engine = LLMEngine(mixed_config(folder, attention_backend="triton", max_num_batched_tokens=8, block_size=8))
     engine.runner.capture_decode_graphs([1, 2], engine.max_model_len, eager_capture)
     engine.add_request("0", prompt, SamplingParams(temperature=0.0, max_tokens=12))
     tokens, _ = _run(engine)
