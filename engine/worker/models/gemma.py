@@ -36,54 +36,33 @@ from pagedserve.engine.worker.models.layers import (
     QuantizedEmbedding,
     RMSNorm,
     VocabParallelEmbedding,
-    projection,
     vocab_rows_per_rank,
 )
-from pagedserve.engine.worker.models.llama import CheckpointSlice, FusedLayers, KVCache, LlamaForCausalLM
+from pagedserve.engine.worker.models.llama import (
+    CheckpointSlice,
+    FusedLayers,
+    KVCache,
+    LlamaAttention,
+    LlamaForCausalLM,
+)
 from pagedserve.engine.worker.models.spec import ModelSpec
 from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 
 
-class GemmaAttention(nn.Module):
-    def __init__(
-        self,
-        spec: ModelSpec,
-        settings: GemmaSettings,
-        layer: int,
-        backend: KernelBackend,
-        group: TensorParallelGroup | None,
-    ) -> None:
-        """`spec`: this rank's part of the model (ModelSpec.for_rank) when it is split over `group`."""
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.scale = settings.query_scale
-        self.sliding_window = settings.window(layer)
-        self.soft_cap = settings.attention_soft_cap
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, backend=backend)
-        self.o_proj = projection(self.q_size, spec.hidden_size, backend, group)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if settings.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if settings.qk_norm else None
-        self.backend = backend
-        self.kv_cache: KVCache | None = None
-
-    def forward(self, angles: RotaryAngles, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.backend.rotary(angles, q, k)
-        assert self.kv_cache is not None, "bind_kv_caches() before the first forward"
-        k_cache, v_cache = self.kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = self.backend.paged_attention(
-            q, k_cache, v_cache, metadata, self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap
-        )
-        return self.o_proj(out.reshape(-1, self.q_size))
+def gemma_attention(
+    spec: ModelSpec, settings: GemmaSettings, layer: int, backend: KernelBackend, group: TensorParallelGroup | None
+) -> LlamaAttention:
+    """Layer `layer`'s attention: Llama's, with Gemma's query scale, q/k norms (Gemma 3), window and soft-cap."""
+    return LlamaAttention(
+        spec,
+        backend,
+        group,
+        scale=settings.query_scale,
+        qk_norm=settings.qk_norm,
+        sliding_window=settings.window(layer),
+        soft_cap=settings.attention_soft_cap,
+    )
 
 
 class GeluGatedMLP(GatedMLP):
@@ -106,7 +85,7 @@ class GemmaDecoderLayer(nn.Module):
         self.layer_type = settings.layer_types[layer]
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, backend)
-        self.self_attn = GemmaAttention(spec, settings, layer, backend, group)
+        self.self_attn = gemma_attention(spec, settings, layer, backend, group)
         self.post_attention_layernorm = RMSNorm(hidden, eps, backend)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, backend)
         self.mlp = GeluGatedMLP(hidden, spec.intermediate_size, backend, group)

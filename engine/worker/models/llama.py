@@ -39,17 +39,32 @@ VOCAB_PARAMETERS = ("embed_tokens.weight", "lm_head.weight")
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: KernelBackend, group: TensorParallelGroup | None) -> None:
-        """`spec`: this rank's part of the model (ModelSpec.for_rank) when it is split over `group`."""
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: KernelBackend,
+        group: TensorParallelGroup | None,
+        *,
+        scale: float | None = None,
+        qk_norm: bool | None = None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> None:
+        """`spec`: this rank's part of the model (ModelSpec.for_rank) when it is split over `group`. The keywords
+        are what another family sets otherwise (Gemma: its query scale, q/k norms, window and soft-cap); by default
+        head_dim ** -0.5, the spec's q/k norms, the whole context, no cap."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.soft_cap = soft_cap
+        qk_norm = spec.qk_norm if qk_norm is None else qk_norm
         self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, backend=backend)
         self.o_proj = projection(self.q_size, spec.hidden_size, backend, group)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if qk_norm else None
         self.backend = backend
         self.kv_cache: KVCache | None = None
 
@@ -64,7 +79,9 @@ class LlamaAttention(nn.Module):
         assert self.kv_cache is not None, "bind_kv_caches() before the first forward"
         k_cache, v_cache = self.kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = self.backend.paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        out = self.backend.paged_attention(
+            q, k_cache, v_cache, metadata, self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap
+        )
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
