@@ -30,24 +30,17 @@ from pagedserve.engine.worker.models.gemma_settings import (
     text_model_name,
 )
 from pagedserve.engine.worker.models.layers import (
-    Embedding,
     GatedMLP,
-    Linear,
-    QuantizedEmbedding,
     RMSNorm,
-    VocabParallelEmbedding,
-    vocab_rows_per_rank,
 )
 from pagedserve.engine.worker.models.llama import (
     CheckpointSlice,
-    FusedLayers,
     KVCache,
     LlamaAttention,
     LlamaForCausalLM,
 )
 from pagedserve.engine.worker.models.spec import ModelSpec
 from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
-from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 
 
 def gemma_attention(
@@ -118,42 +111,20 @@ class GemmaForCausalLM(LlamaForCausalLM):
         "self_attn.k_norm.weight": "attn_k_norm.weight",
     }
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        hf_config: Any,
-        backend: KernelBackend,
-        max_positions: int,
-        group: TensorParallelGroup | None = None,
-        rotary: GemmaRotary | None = None,
-    ) -> None:
-        """As LlamaForCausalLM's; `rotary`: tables built beforehand (for a model built on the meta device)."""
-        nn.Module.__init__(self)
-        self.spec = spec
+    def setup_positions(self, hf_config: Any, max_positions: int, rotary: nn.Module | None) -> None:
+        """Gemma's settings, its KV cache groups, and cos/sin tables per layer type (`rotary`: built beforehand, for
+        a model built on the meta device)."""
+        assert rotary is None or isinstance(rotary, GemmaRotary)
+        spec = self.spec
         self.settings = GemmaSettings.from_hf_config(hf_config)
-        self.group = group
-        self.rank_spec = spec.for_rank(1 if group is None else group.size)
-        self.backend = backend
         self.rotary_by_type = rotary if rotary is not None else GemmaRotary(spec.head_dim, max_positions, hf_config)
-        self.embed_tokens: nn.Embedding | VocabParallelEmbedding | QuantizedEmbedding = (
-            Embedding(spec.vocab_size, spec.hidden_size)
-            if group is None
-            else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, group)
-        )
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(self.rank_spec, self.settings, i, backend, group) for i in range(spec.num_layers)
-        )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
-        head_rows = spec.vocab_size if group is None else vocab_rows_per_rank(spec.vocab_size, group.size)
-        self.lm_head = (
-            None if spec.tie_word_embeddings else Linear(spec.hidden_size, head_rows, bias=False, backend=backend)
-        )
-        self.quantized_head: AnyQuantizedWeight | None = None
-        self.native_decoder: FusedLayers | None = None  # stays None: see native_decoder.py
         self.kv_groups = kv_cache_groups([self.settings.window(i) for i in range(spec.num_layers)])
         group_of_layer = self.kv_groups.group_of_layer()
         self.kv_group_of_layer = [group_of_layer[i] for i in range(spec.num_layers)]
         self.shares_kv_caches = False  # whether layers of different groups share cache tensors (bind_kv_caches)
+
+    def decoder_layer(self, index: int) -> nn.Module:
+        return GemmaDecoderLayer(self.rank_spec, self.settings, index, self.backend, self.group)
 
     def bind_kv_caches(self, caches: list[KVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):

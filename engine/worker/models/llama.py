@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         backend: KernelBackend,
         max_positions: int,
         group: TensorParallelGroup | None = None,
-        rotary: RotaryEmbedding | None = None,
+        rotary: nn.Module | None = None,
     ) -> None:
         """`group`: the ranks the model is split over (Megatron-style), None for the whole model here. Split,
         a rank holds its query and KV heads, its share of the MLP width and of the vocabulary. `rotary`: cos/sin
@@ -134,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.group = group
         self.rank_spec = spec.for_rank(1 if group is None else group.size)
         self.backend = backend
-        self.rotary = rotary if rotary is not None else rotary_embedding(spec, hf_config, max_positions)
+        self.setup_positions(hf_config, max_positions, rotary)
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding | QuantizedEmbedding = (
             Embedding(spec.vocab_size, spec.hidden_size)
             if group is None
@@ -151,8 +151,14 @@ class LlamaForCausalLM(nn.Module):
         # CPU decoder); None runs the layers' modules.
         self.native_decoder: FusedLayers | None = None
 
+    def setup_positions(self, hf_config: Any, max_positions: int, rotary: nn.Module | None) -> None:
+        """What the layers need before they are built: the cos/sin tables (`rotary` where built beforehand); a
+        subclass reads its own settings here too (models/gemma.py)."""
+        assert rotary is None or isinstance(rotary, RotaryEmbedding)
+        self.rotary = rotary if rotary is not None else rotary_embedding(self.spec, hf_config, max_positions)
+
     def decoder_layer(self, index: int) -> nn.Module:
-        """Layer `index`, for this rank (a subclass builds other layers: models/moe.py)."""
+        """Layer `index`, for this rank (a subclass builds other layers: models/moe.py, gemma.py)."""
         return LlamaDecoderLayer(self.rank_spec, self.backend, self.group)
 
     def weight_target(self, hf_name: str) -> tuple[str, tuple[int, int] | None] | None:
