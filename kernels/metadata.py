@@ -25,6 +25,9 @@ class AttentionMetadata:
     query_lens_host: list[int]
     seq_lens_host: list[int]
     plan: Any = field(default=None, repr=False)  # backend-specific, filled by KernelBackend.prepare
+    # With several KV cache groups (layers with block tables of their own: a model's sliding-window layers), the
+    # metadata of each, this one first; the layers of group g read groups[g]. Empty with one group.
+    groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
 
     @property
     def num_seqs(self) -> int:

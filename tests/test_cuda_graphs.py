@@ -52,11 +52,11 @@ def test_buffers_hold_the_step_and_pad_with_rows_that_write_nothing() -> None:
     buffers.load(_decode_step([17, 3], [[1, 3], [8, 0]], block_size=16), batch=4)  # narrower, shorter: overwrites
     assert buffers.input_ids.tolist() == [7, 8, 0, 0]
     assert buffers.positions.tolist() == [16, 2, 0, 0]
-    assert buffers.slot_mapping.tolist() == [3 * 16 + 0, 8 * 16 + 2, -1, -1]
+    assert buffers.slot_mapping[0].tolist() == [3 * 16 + 0, 8 * 16 + 2, -1, -1]
     assert buffers.seq_lens.tolist() == [17, 3, 1, 1]
-    assert buffers.block_tables[:2, :2].tolist() == [[1, 3], [8, 0]]  # columns past the table are never read
-    assert buffers.block_tables[2:, 0].tolist() == [0, 0]
-    metadata = buffers.metadata(batch=2, block_size=16, planned_seq_len=48)
+    assert buffers.block_tables[0, :2, :2].tolist() == [[1, 3], [8, 0]]  # columns past the table are never read
+    assert buffers.block_tables[0, 2:, 0].tolist() == [0, 0]
+    (metadata,) = buffers.metadata(batch=2, block_size=16, planned_seq_len=48)
     assert metadata.is_decode_only and metadata.seq_lens_host == [48, 48]
     assert metadata.block_tables.data_ptr() == buffers.block_tables.data_ptr()
 

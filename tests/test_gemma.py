@@ -4,6 +4,7 @@ the engine, the offline API and the server."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,9 @@ from pagedserve import LLM
 from pagedserve.engine import SamplingParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.llm_engine import LLMEngine
+from pagedserve.engine.scheduling.hybrid_kv_cache_manager import HybridKVCacheManager
+from pagedserve.engine.worker.cuda_graphs import eager_capture
+from pagedserve.engine.worker.kv_groups import kv_cache_groups
 from pagedserve.engine.worker.model_loader import LoadedModel, load_model
 from pagedserve.engine.worker.models.gemma import GemmaForCausalLM
 from pagedserve.server import ServerSettings
@@ -41,7 +45,10 @@ GEMMA_COMMON: dict[str, Any] = dict(
     initializer_range=0.05,  # varied tokens, which the window and the attention soft-cap both change
 )
 GEMMA3_TEXT: dict[str, Any] = dict(
-    **GEMMA_COMMON,
+    GEMMA_COMMON,
+    # Gemma 3's pattern: five windowed layers to a global one, so five windowed KV cache groups beside the global one
+    num_hidden_layers=6,
+    layer_types=["sliding_attention"] * 5 + ["full_attention"],
     final_logit_softcapping=3.0,
     rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
@@ -67,7 +74,8 @@ CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     ),
 }
 MAX_TOKENS = 16
-SHARED = list(range(200, 236))  # 36 tokens two prompts share: two full blocks of 16 to find in the prefix cache
+BLOCK_SIZE = 4
+SHARED = list(range(200, 236))  # 36 tokens two prompts share: nine full blocks to find in the prefix cache
 PROMPTS = [list(range(300, 312)), SHARED + [400, 401, 402, 403], list(range(500, 545)), SHARED + [600, 601, 602]]
 
 
@@ -119,18 +127,32 @@ def gemma_loaded(gemma_dir: Path) -> LoadedModel:
 
 
 def mixed_config(gemma_dir: Path, **overrides: Any) -> EngineConfig:
-    """Prefill chunks of 16 tokens; 8 blocks of 16 hold two or three requests: the others are preempted."""
+    """Prefill chunks of 16 tokens; 12 blocks of 4 tokens a KV cache group, which the groups share, hold two or
+    three requests: the others are preempted."""
     settings: dict[str, Any] = dict(
-        model=str(gemma_dir), max_num_batched_tokens=16, num_kv_blocks=8, activation_dtype="float32"
+        model=str(gemma_dir),
+        max_num_batched_tokens=16,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=12 * _num_kv_groups(gemma_dir),
+        activation_dtype="float32",
     )
     return EngineConfig(**{**settings, **overrides})
+
+
+def _num_kv_groups(gemma_dir: Path) -> int:
+    config = json.loads((gemma_dir / "config.json").read_text())
+    layer_types = config.get("text_config", config)["layer_types"]
+    return kv_cache_groups([WINDOW if kind == "sliding_attention" else None for kind in layer_types]).num_groups
 
 
 def test_gemma_model_is_native(gemma_loaded: LoadedModel) -> None:
     model = gemma_loaded.model
     assert isinstance(model, GemmaForCausalLM)
     windows = [layer.self_attn.sliding_window for layer in model.layers]
-    assert windows == [WINDOW, None, WINDOW, None]
+    config = gemma_loaded.hf_config
+    layer_types = getattr(config, "text_config", config).layer_types
+    assert windows == [WINDOW if kind == "sliding_attention" else None for kind in layer_types]
+    assert WINDOW in windows and None in windows
     assert all(len(p) > WINDOW for p in PROMPTS)
 
 
@@ -155,19 +177,35 @@ def _run(engine: LLMEngine) -> tuple[dict[str, list[int]], dict[str, list[float]
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list[float]] = {}
     while engine.has_unfinished_requests():
+        computed = {r.request_id: r.num_computed_tokens for r in engine.scheduler.running}
         for delta in engine.step():
             tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
             chosen = [entry.logprob for entry in delta.new_logprobs or []]
             logprobs.setdefault(delta.request_id, []).extend(chosen)
+        _check_window_blocks(engine, computed)
     return tokens, logprobs
+
+
+def _check_window_blocks(engine: LLMEngine, computed_before: dict[str, int]) -> None:
+    """A sequence that decoded one token this step holds at most its window's blocks in each windowed group."""
+    assert isinstance(engine.kv, HybridKVCacheManager)
+    bound = -(-WINDOW // engine.kv.block_size) + 1
+    for request in engine.scheduler.running:
+        if request.num_computed_tokens == computed_before.get(request.request_id, -1) + 1:
+            held = [group.num_held(request.request_id) for group in engine.kv.windowed]
+            assert max(held) <= bound, (request, held)
+            assert len(engine.kv.block_ids(request.request_id)) > bound  # while the global group keeps them all
 
 
 def test_offline_api_matches_transformers(gemma_loaded, gemma_dir, reference) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     with LLM.from_config(mixed_config(gemma_dir, engine_process=False), gemma_loaded) as llm:
         llm.generate([PROMPTS[1]], params, use_tqdm=False)
-        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert [out.outputs[0].token_ids for out in outputs] == [t for t, _ in reference]
+        # The prompt that shares the warm-up's prefix first: a windowed group's blocks leave the window, and a
+        # pool this small hands them out again soon after.
+        order = [3, 0, 1, 2]
+        outputs = dict(zip(order, llm.generate([PROMPTS[i] for i in order], params, use_tqdm=False)))
+    assert [outputs[i].outputs[0].token_ids for i in range(len(PROMPTS))] == [t for t, _ in reference]
     assert outputs[3].num_cached_tokens >= 32
 
 
@@ -191,10 +229,30 @@ def test_triton_backend_matches_transformers(tmp_path: Path, smol_dir: Path) -> 
     prompt = list(range(500, 520))
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :].tolist()
-    config = mixed_config(folder, attention_backend="triton", max_num_batched_tokens=8, engine_process=False)
+    config = mixed_config(
+        folder, attention_backend="triton", max_num_batched_tokens=8, block_size=8, engine_process=False
+    )
     with LLM.from_config(config) as llm:
         got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     assert got[0].outputs[0].token_ids == expected
+
+
+def test_decode_graphs_read_each_groups_block_tables(tmp_path: Path, smol_dir: Path) -> None:
+    """Recorded decode steps (here replayed by running them again: no GPU) hold each KV cache group's tables."""
+    folder = tmp_path / "gemma2-hd64"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(GEMMA_COMMON, "head_dim", 64)
+        save_tiny_gemma("gemma2", folder, smol_dir)
+    prompt = list(range(500, 520))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
+    engine = LLMEngine(mixed_config(folder, attention_backend="triton", max_num_batched_tokens=8, block_size=8))
+    engine.runner.capture_decode_graphs([1, 2], engine.max_model_len, eager_capture)
+    engine.add_request("0", prompt, SamplingParams(temperature=0.0, max_tokens=12))
+    tokens, _ = _run(engine)
+    assert tokens["0"] == expected
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.num_replays >= 10 and graphs.buffers.block_tables.shape[0] == 2
 
 
 def test_two_ranks_match_transformers(gemma_dir, reference) -> None:
@@ -216,7 +274,11 @@ def test_two_ranks_match_transformers(gemma_dir, reference) -> None:
 def test_speculative_decoding_matches_transformers(gemma_loaded, gemma_dir, reference) -> None:
     """Proposed tokens verified several rows at a time, each row over its own window."""
     config = mixed_config(
-        gemma_dir, speculative_method="ngram", ngram_min=1, num_kv_blocks=64, max_num_batched_tokens=256
+        gemma_dir,
+        speculative_method="ngram",
+        ngram_min=1,
+        num_kv_blocks=64 * _num_kv_groups(gemma_dir),
+        max_num_batched_tokens=256,
     )
     engine = LLMEngine(config, loaded=gemma_loaded)
     for i, ids in enumerate(PROMPTS):

@@ -16,7 +16,7 @@ from pagedserve.engine.core.sampler import Sampler
 from pagedserve.engine.core.speculator import SpeculationStats, Speculator, make_proposer, split_rows
 from pagedserve.engine.outputs import PromptLogprobs, RequestMetrics, SequenceDelta, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduling.kv_cache_manager import KVCacheManager
+from pagedserve.engine.scheduling.hybrid_kv_cache_manager import kv_cache_manager
 from pagedserve.engine.scheduling.parallel_sampling import RequestGroups, expand_logits, make_samples, sibling_rows
 from pagedserve.engine.scheduling.request import Request, RequestStatus
 from pagedserve.engine.scheduling.scheduler import Scheduler, SchedulerOutput
@@ -72,9 +72,10 @@ class LLMEngine:
             max_queue_len=self.config.max_queue_len,
         )
         identity = f"{self.loaded.model_dir}:{self.loaded.dtype}".encode()
-        self.kv = KVCacheManager(
+        self.kv = kv_cache_manager(
             plan.num_blocks,
             plan.block_size,
+            plan.group_windows,
             self.config.enable_prefix_caching,
             hashlib.sha256(identity).digest(),
             self.loaded.spec.long_rope_threshold,
@@ -98,11 +99,12 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._children = RequestGroups()  # caller's id -> ids of its n sequences
         logger.info(
-            "KV cache: %.0f MiB (--kv-cache-memory), %d blocks of %d tokens = %d tokens; max_model_len %d",
+            "KV cache: %.0f MiB (--kv-cache-memory), %d blocks of %d tokens = %d tokens%s; max_model_len %d",
             plan.num_bytes / 2**20,
             plan.num_blocks,
             plan.block_size,
             plan.num_tokens,
+            "" if len(plan.group_windows) == 1 else f" shared by {len(plan.group_windows)} KV cache groups",
             plan.max_model_len,
         )
 

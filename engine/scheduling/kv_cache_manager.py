@@ -96,10 +96,12 @@ class KVCacheManager:
         write_index = first_new // self.block_size
         copy_on_write = write_index < len(blocks) and blocks[write_index].ref_cnt > 1
         reclaimed = sum(1 for b in computed if b.ref_cnt == 0)  # hits that sit in the free queue
-        if num_new_blocks + copy_on_write > self.pool.num_free - reclaimed:
+        other_groups = self._other_groups_need(request, first_new, num_tokens, len(computed))
+        if num_new_blocks + copy_on_write + other_groups > self.pool.num_free - reclaimed:
             if not blocks:
                 del self.req_blocks[request.request_id]
             return False
+        self._take_other_groups_hits(request, len(computed))  # before any allocation can evict a hit
         if copy_on_write:
             self._copy_on_write(blocks, write_index)
         self.pool.take_cached(computed)
@@ -107,7 +109,18 @@ class KVCacheManager:
         if num_new_blocks > 0:
             blocks.extend(self.pool.allocate(num_new_blocks))
         self._register_full_blocks(request, blocks, num_tokens)
+        self._allocate_other_groups(request, first_new, num_tokens)
         return True
+
+    def _other_groups_need(self, request: Request, first_new: int, num_tokens: int, num_hits: int) -> int:
+        """Blocks the other KV cache groups take from the pool for this allocation (hybrid_kv_cache_manager.py)."""
+        return 0
+
+    def _take_other_groups_hits(self, request: Request, num_hits: int) -> None:
+        """The other KV cache groups' share of a prefix-cache hit of `num_hits` blocks (one group here: none)."""
+
+    def _allocate_other_groups(self, request: Request, first_new: int, num_tokens: int) -> None:
+        """Allocates the rest of what _other_groups_need counted (one group here: nothing)."""
 
     def fork(self, parent: Request, child: Request) -> None:
         """Gives `child` the parent's blocks by reference (parallel samples of one prompt)."""

@@ -55,6 +55,14 @@ class BlockTables(Protocol):
     def block_ids(self, request_id: str) -> list[int]: ...
 
 
+class GroupedBlockTables(BlockTables, Protocol):
+    """Block tables of several KV cache groups (engine/scheduling's HybridKVCacheManager, kv_groups.py)."""
+
+    @property
+    def num_groups(self) -> int: ...
+    def block_ids_by_group(self, request_id: str) -> list[list[int]]: ...
+
+
 @dataclass
 class PromptRows:
     """The rows of one request's hidden states to score this step, and the prompt tokens they predict."""
@@ -87,10 +95,10 @@ class HostBatch:
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, or [G, T] with G > 1 KV cache groups
     seq_lens: torch.Tensor  # [S] int32
     query_start_loc: torch.Tensor  # [S + 1] int32
-    block_tables: torch.Tensor  # [S, max_blocks] int32
+    block_tables: torch.Tensor  # [S, max_blocks] int32, or [G, S, max_blocks]
     logits_indices: torch.Tensor  # [R] int64
     query_lens_host: list[int]
     seq_lens_host: list[int]
@@ -99,7 +107,7 @@ class HostBatch:
         return [
             self.input_ids,
             self.positions,
-            self.slot_mapping,
+            self.slot_mapping.flatten(),
             self.seq_lens,
             self.query_start_loc,
             self.block_tables.flatten(),
@@ -111,13 +119,15 @@ class HostBatch:
         """The inverse of parts() (which arrive as int64)."""
         input_ids, positions, slot_mapping, seq_lens, query_start_loc, block_tables, logits_indices = parts
         num_seqs = len(seq_lens)
+        num_groups = len(slot_mapping) // max(1, len(input_ids))
+        grouped = (num_groups, num_seqs, -1) if num_groups > 1 else (num_seqs, -1)
         return cls(
             input_ids=input_ids,
             positions=positions,
-            slot_mapping=slot_mapping,
+            slot_mapping=slot_mapping.view(num_groups, -1) if num_groups > 1 else slot_mapping,
             seq_lens=seq_lens.to(torch.int32),
             query_start_loc=query_start_loc.to(torch.int32),
-            block_tables=block_tables.to(torch.int32).view(num_seqs, -1),
+            block_tables=block_tables.to(torch.int32).view(grouped),
             logits_indices=logits_indices,
             query_lens_host=query_start_loc.diff().tolist(),
             seq_lens_host=seq_lens.tolist(),

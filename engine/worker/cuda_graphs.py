@@ -71,29 +71,34 @@ def eager_capture(forward: Forward) -> tuple[torch.Tensor, Replay]:
 class DecodeBuffers:
     """Static device tensors holding a decode batch of up to `max_batch` sequences."""
 
-    def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device, num_kv_groups: int = 1) -> None:
+        """`num_kv_groups`: KV cache groups, each with a slot mapping and block tables of its own (kv_groups.py)."""
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((num_kv_groups, max_batch), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # one token each
-        self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(num_kv_groups, max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return self.block_tables.shape[1]
+        return self.block_tables.shape[2]
 
-    def metadata(self, batch: int, block_size: int, planned_seq_len: int) -> AttentionMetadata:
-        """Metadata over the first `batch` rows; the host lengths are what the backend plans the launch for."""
-        return AttentionMetadata(
-            block_tables=self.block_tables[:batch],
-            seq_lens=self.seq_lens[:batch],
-            query_start_loc=self.query_start_loc[: batch + 1],
-            slot_mapping=self.slot_mapping[:batch],
-            block_size=block_size,
-            query_lens_host=[1] * batch,
-            seq_lens_host=[planned_seq_len] * batch,
-        )
+    def metadata(self, batch: int, block_size: int, planned_seq_len: int) -> list[AttentionMetadata]:
+        """Each KV cache group's metadata over the first `batch` rows; the host lengths are what the backend plans
+        the launch for."""
+        return [
+            AttentionMetadata(
+                block_tables=tables[:batch],
+                seq_lens=self.seq_lens[:batch],
+                query_start_loc=self.query_start_loc[: batch + 1],
+                slot_mapping=slots[:batch],
+                block_size=block_size,
+                query_lens_host=[1] * batch,
+                seq_lens_host=[planned_seq_len] * batch,
+            )
+            for tables, slots in zip(self.block_tables, self.slot_mapping)
+        ]
 
     def load(self, inputs: StepInputs, batch: int) -> None:
         """Copies a decode step of n <= batch sequences in; rows n..batch become padding."""
@@ -101,15 +106,17 @@ class DecodeBuffers:
         metadata = inputs.metadata
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(metadata.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(metadata.seq_lens, non_blocking=True)
-        self.block_tables[:n, : metadata.block_tables.shape[1]].copy_(metadata.block_tables, non_blocking=True)
+        for group, group_metadata in enumerate(metadata.groups or [metadata]):
+            self.slot_mapping[group, :n].copy_(group_metadata.slot_mapping, non_blocking=True)
+            width = group_metadata.block_tables.shape[1]
+            self.block_tables[group, :n, :width].copy_(group_metadata.block_tables, non_blocking=True)
         if n < batch:
             self.input_ids[n:batch].zero_()
             self.positions[n:batch].zero_()
-            self.slot_mapping[n:batch].fill_(-1)
+            self.slot_mapping[:, n:batch].fill_(-1)
             self.seq_lens[n:batch].fill_(1)
-            self.block_tables[n:batch, 0].zero_()
+            self.block_tables[:, n:batch, 0].zero_()
 
 
 class DecodeGraphs:
@@ -126,12 +133,15 @@ class DecodeGraphs:
         batch_sizes: list[int],
         capture: Capture,
         device: torch.device,
+        num_kv_groups: int = 1,
     ) -> None:
         start = time.perf_counter()
-        self.buffers = DecodeBuffers(max(batch_sizes), -(-max_seq_len // block_size), device)
+        self.buffers = DecodeBuffers(max(batch_sizes), -(-max_seq_len // block_size), device, num_kv_groups)
         self._graphs: dict[int, tuple[torch.Tensor, Replay]] = {}  # batch size -> (output, replay)
         for batch in sorted(set(batch_sizes), reverse=True):
-            metadata = backend.prepare(self.buffers.metadata(batch, block_size, max_seq_len))
+            groups = [backend.prepare(m) for m in self.buffers.metadata(batch, block_size, max_seq_len)]
+            metadata = groups[0]
+            metadata.groups = groups if num_kv_groups > 1 else []
             forward = self._forward(model, batch, metadata)
             forward()  # warm-up: compiles the kernels and fills the step plan before anything is recorded
             self._graphs[batch] = capture(forward)

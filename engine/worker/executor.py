@@ -19,6 +19,7 @@ from pagedserve.engine.worker.cuda_graphs import cuda_graph_capture, graph_batch
 from pagedserve.engine.worker.distributed.launcher import TensorParallelWorkers, threads_per_rank
 from pagedserve.engine.worker.distributed.liveness import RankLostError
 from pagedserve.engine.worker.kv_caches import allocate_kv_caches
+from pagedserve.engine.worker.kv_groups import model_kv_groups
 from pagedserve.engine.worker.kv_sizing import KVCachePlan, plan_kv_cache
 from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.model_loader import load_model, resolve_device
@@ -66,7 +67,14 @@ class ModelExecutor:
         try:
             if self.workers is not None:
                 self.workers.allocate(plan.num_blocks, plan.block_size)
-            caches = allocate_kv_caches(loaded.rank_spec, plan.num_blocks, plan.block_size, loaded.dtype, loaded.device)
+            caches = allocate_kv_caches(
+                loaded.rank_spec,
+                plan.num_blocks,
+                plan.block_size,
+                loaded.dtype,
+                loaded.device,
+                model_kv_groups(loaded.model),
+            )
             self._runner = ModelRunner(loaded.model, loaded.backend, block_tables, caches, loaded.device)
             if self._use_cuda_graphs():
                 sizes = graph_batch_sizes(self.config.max_num_seqs)

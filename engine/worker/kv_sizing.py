@@ -16,6 +16,7 @@ import pagedserve.engine.worker.profiling as profiling
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.distributed.commands import Command, send_command
 from pagedserve.engine.worker.kv_caches import kv_cache_shape
+from pagedserve.engine.worker.kv_groups import KVCacheGroups, model_kv_groups, window_blocks
 from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.models import ModelSpec
 
@@ -27,8 +28,9 @@ MAX_DEFAULT_MODEL_LEN = 8192
 class KVCachePlan:
     num_blocks: int
     block_size: int  # tokens per block
-    bytes_per_block: int  # K and V of every layer
+    bytes_per_block: int  # K and V of every layer (of every slot, with several KV cache groups)
     max_model_len: int  # prompt plus output tokens of one request
+    group_windows: tuple[int | None, ...] = (None,)  # per KV cache group: its sliding window, None for global
 
     @property
     def num_tokens(self) -> int:
@@ -43,7 +45,8 @@ def plan_kv_cache(config: EngineConfig, loaded: LoadedModel) -> KVCachePlan:
     """The configured number of blocks, or as many as the memory budget holds (profiled first on CUDA). Split
     over ranks, each rank's cache holds its own KV heads in as many blocks as rank 0's (one block table)."""
     rank_spec = loaded.spec.for_rank(config.tensor_parallel_size)
-    bytes_per_block = kv_bytes_per_block(rank_spec, config.block_size, loaded.dtype)
+    groups = model_kv_groups(getattr(loaded, "model", None))
+    bytes_per_block = kv_bytes_per_block(rank_spec, config.block_size, loaded.dtype, groups)
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
         # An explicit kv_cache_memory is the budget as it is: no profiling pass to subtract from it.
@@ -51,13 +54,38 @@ def plan_kv_cache(config: EngineConfig, loaded: LoadedModel) -> KVCachePlan:
         budget = kv_cache_budget(config, loaded.device, peak)
         num_blocks = blocks_in_budget(budget, bytes_per_block)
     # A request must always fit the cache alone, or preemption could cycle forever.
-    max_model_len = min(resolve_max_model_len(config, loaded.spec), num_blocks * config.block_size)
-    return KVCachePlan(num_blocks, config.block_size, bytes_per_block, max_model_len)
+    longest = longest_request(num_blocks, config.block_size, groups, config.max_num_batched_tokens)
+    max_model_len = min(resolve_max_model_len(config, loaded.spec), longest)
+    windows = (None,) if groups is None else groups.windows
+    return KVCachePlan(num_blocks, config.block_size, bytes_per_block, max_model_len, windows)
 
 
-def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(
+    spec: ModelSpec, block_size: int, dtype: torch.dtype, groups: KVCacheGroups | None = None
+) -> int:
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * math.prod(kv_cache_shape(spec, 1, block_size)) * element
+    num_tensors = spec.num_layers if groups is None else groups.num_slots
+    return 2 * num_tensors * math.prod(kv_cache_shape(spec, 1, block_size)) * element
+
+
+def longest_request(num_blocks: int, block_size: int, groups: KVCacheGroups | None, max_chunk: int) -> int:
+    """The most tokens one request may hold in `num_blocks` blocks: each global group holds all its blocks, a
+    windowed group at most its window's and a prefill chunk's (kv_groups.window_blocks)."""
+    if groups is None:
+        return num_blocks * block_size
+
+    def blocks_held(num_tokens: int) -> int:
+        blocks = -(-num_tokens // block_size)
+        return sum(
+            blocks if window is None else min(blocks, window_blocks(window, max_chunk, block_size))
+            for window in groups.windows
+        )
+
+    low, high = 0, num_blocks * block_size  # blocks_held grows with the tokens: the largest that fits
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if blocks_held(middle) <= num_blocks else (low, middle - 1)
+    return low
 
 
 def kv_cache_budget(config: EngineConfig, device: torch.device, profile_peak_bytes: int | None) -> int:

@@ -9,19 +9,24 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import torch
+import torch.nn.functional as F
 
 from pagedserve.engine.worker.batch import (
     NUM_BATCH_PARTS,
     BlockTables,
+    GroupedBlockTables,
     HostBatch,
     ScheduledSequence,
+    SequenceState,
     StepInputs,
     StepLogits,
 )
 from pagedserve.engine.worker.cuda_graphs import Capture, DecodeGraphs
 from pagedserve.engine.worker.distributed.commands import Command, send_command
+from pagedserve.engine.worker.kv_groups import model_kv_groups
 from pagedserve.engine.worker.models import KVCache
 from pagedserve.engine.worker.models.causal_lm import CausalLM
 from pagedserve.engine.worker.models.partial_rope import PartialRotaryEmbedding
@@ -47,6 +52,10 @@ class ShardRunner:
         self.device = device
         self.kv_caches = kv_caches
         bind_kv_caches(model, kv_caches)
+        # Several KV cache groups where the layers share the cache's tensors (kv_groups.py), else one.
+        groups = model_kv_groups(model)
+        shared = len({id(k_cache) for k_cache, _ in kv_caches}) < len(kv_caches)
+        self.num_kv_groups = groups.num_groups if groups is not None and shared else 1
         self.decode_graphs: DecodeGraphs | None = None
         self.forward_seconds = 0.0  # time inside the model, for the overhead figures
         self.num_tokens_processed = 0
@@ -54,26 +63,45 @@ class ShardRunner:
     def capture_decode_graphs(self, batch_sizes: list[int], max_seq_len: int, capture: Capture) -> None:
         """From now on decode-only steps of up to max(batch_sizes) sequences replay recorded graphs."""
         self.decode_graphs = DecodeGraphs(
-            self.model, self.backend, self.block_size, max_seq_len, batch_sizes, capture, self.device
+            self.model,
+            self.backend,
+            self.block_size,
+            max_seq_len,
+            batch_sizes,
+            capture,
+            self.device,
+            self.num_kv_groups,
         )
 
     def to_inputs(self, batch: HostBatch, prompt_rows: list[PromptRows] | None = None) -> StepInputs:
         def to_device(t: torch.Tensor) -> torch.Tensor:
             return t.to(self.device, non_blocking=True)
 
-        metadata = AttentionMetadata(
-            block_tables=to_device(batch.block_tables),
-            seq_lens=to_device(batch.seq_lens),
-            query_start_loc=to_device(batch.query_start_loc),
-            slot_mapping=to_device(batch.slot_mapping),
-            block_size=self.block_size,
-            query_lens_host=batch.query_lens_host,
-            seq_lens_host=batch.seq_lens_host,
-        )
+        seq_lens, query_start_loc = to_device(batch.seq_lens), to_device(batch.query_start_loc)
+
+        def metadata(block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> AttentionMetadata:
+            return self.backend.prepare(
+                AttentionMetadata(
+                    block_tables=to_device(block_tables),
+                    seq_lens=seq_lens,
+                    query_start_loc=query_start_loc,
+                    slot_mapping=to_device(slot_mapping),
+                    block_size=self.block_size,
+                    query_lens_host=batch.query_lens_host,
+                    seq_lens_host=batch.seq_lens_host,
+                )
+            )
+
+        if batch.block_tables.dim() == 3:  # one table and slot mapping per KV cache group
+            groups = [metadata(tables, slots) for tables, slots in zip(batch.block_tables, batch.slot_mapping)]
+            step_metadata = groups[0]
+            step_metadata.groups = groups
+        else:
+            step_metadata = metadata(batch.block_tables, batch.slot_mapping)
         return StepInputs(
             input_ids=to_device(batch.input_ids),
             positions=to_device(batch.positions),
-            metadata=self.backend.prepare(metadata),
+            metadata=step_metadata,
             logits_indices=to_device(batch.logits_indices),
             prompt_rows=prompt_rows or [],
         )
@@ -82,7 +110,8 @@ class ShardRunner:
         """Copy-on-write of blocks shared by parallel samples, in every layer's cache."""
         source = torch.tensor([s for s, _ in copies], device=self.device)
         destination = torch.tensor([d for _, d in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
+        distinct = {id(k_cache): (k_cache, v_cache) for k_cache, v_cache in self.kv_caches}  # groups share them
+        for k_cache, v_cache in distinct.values():
             k_cache.index_copy_(0, destination, k_cache.index_select(0, source))
             v_cache.index_copy_(0, destination, v_cache.index_select(0, source))
 
@@ -123,10 +152,12 @@ class ModelRunner(ShardRunner):
         super().__init__(model, backend, kv_caches, kv_manager.block_size, device)
         self.kv = kv_manager
         self.group = model.group
+        assert getattr(kv_manager, "num_groups", 1) == self.num_kv_groups, "the block manager's groups are the cache's"
 
     def pack(self, scheduled: Sequence[ScheduledSequence]) -> HostBatch:
         """Flat inputs for all scheduled requests."""
-        if scheduled and all(s.num_new_tokens == 1 and not s.draft_token_ids for s in scheduled):
+        decode = all(s.num_new_tokens == 1 and not s.draft_token_ids for s in scheduled)
+        if scheduled and decode and self.num_kv_groups == 1:
             return self._pack_decode(scheduled)
         return self._pack_any(scheduled)
 
@@ -141,8 +172,8 @@ class ModelRunner(ShardRunner):
         torch.cumsum(query_lens, 0, out=query_start_loc[1:])
         seq_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), query_lens)
         positions = torch.arange(len(token_ids)) - (query_start_loc[:-1] - torch.tensor(computed))[seq_of_token]
-        block_tables = self._block_tables([self.kv.block_ids(r.request_id) for r in requests])
-        block_of_token = block_tables[seq_of_token, positions // self.block_size].long()
+        block_tables = self._tables_of(requests)
+        block_of_token = block_tables[..., seq_of_token, positions // self.block_size].long()  # [T] or [G, T]
         seq_lens = [c + n for c, n in zip(computed, num_new)]
         known = torch.tensor([len(r.all_token_ids) for r in requests])[seq_of_token]
         return HostBatch(
@@ -191,6 +222,16 @@ class ModelRunner(ShardRunner):
     def prepare(self, scheduled: Sequence[ScheduledSequence]) -> StepInputs:
         batch = self.pack(scheduled)
         return self.to_inputs(batch, rows_to_score(scheduled, batch.query_start_loc))
+
+    def _tables_of(self, requests: Sequence[SequenceState]) -> torch.Tensor:
+        """The requests' block tables [S, max_blocks], or [G, S, max_blocks] with G > 1 KV cache groups."""
+        if self.num_kv_groups == 1:
+            return self._block_tables([self.kv.block_ids(r.request_id) for r in requests])
+        kv = cast(GroupedBlockTables, self.kv)
+        by_request = [kv.block_ids_by_group(r.request_id) for r in requests]
+        tables = [self._block_tables([groups[g] for groups in by_request]) for g in range(self.num_kv_groups)]
+        width = max(t.shape[1] for t in tables)
+        return torch.stack([F.pad(t, (0, width - t.shape[1])) for t in tables])
 
     @staticmethod
     def _block_tables(tables: list[list[int]]) -> torch.Tensor:

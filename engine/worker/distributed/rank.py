@@ -23,6 +23,7 @@ from pagedserve.engine.worker.distributed.launcher import CONFIG_KEY, LOG_LEVEL_
 from pagedserve.engine.worker.distributed.liveness import start_heartbeat
 from pagedserve.engine.worker.distributed.rendezvous import Rendezvous, connect_store, join_group, rank_device
 from pagedserve.engine.worker.kv_caches import allocate_kv_caches
+from pagedserve.engine.worker.kv_groups import model_kv_groups
 from pagedserve.engine.worker.model_loader import LoadedModel, load_model, resolve_device
 from pagedserve.engine.worker.model_runner import ShardRunner
 from pagedserve.engine.worker.native_decoder import use_activation_dtype
@@ -58,7 +59,9 @@ class Follower:
 
     def _allocate(self, num_blocks: int, block_size: int) -> None:
         loaded = self.loaded
-        caches = allocate_kv_caches(loaded.rank_spec, num_blocks, block_size, loaded.dtype, loaded.device)
+        caches = allocate_kv_caches(
+            loaded.rank_spec, num_blocks, block_size, loaded.dtype, loaded.device, model_kv_groups(loaded.model)
+        )
         self.runner = ShardRunner(loaded.model, loaded.backend, caches, block_size, loaded.device)
 
     def _profile(self) -> None:

@@ -9,8 +9,8 @@ What sets them apart from the Llama family (llama.py), as transformers computes 
 - embeddings scaled by sqrt(hidden_size), queries by query_pre_attn_scalar ** -0.5;
 - a GELU (tanh) gated MLP; Gemma 3's q/k norms and its RoPE bases per layer type (rope_local_base_freq for the
   sliding layers).
-Every layer keeps the whole context's KV blocks (one block table for all layers): a windowed layer reads only
-its window, but its blocks before the window are not given back.
+The layers form KV cache groups by attention kind (kv_groups.py): each group has its own block tables, and a
+windowed group's blocks go back to the pool once they fall out of its window (scheduling/windowed_blocks.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.worker.distributed.group import TensorParallelGroup
+from pagedserve.engine.worker.kv_groups import kv_cache_groups
 from pagedserve.engine.worker.models.gemma_settings import (
     NORM_SUFFIX,
     GemmaRotary,
@@ -29,60 +30,32 @@ from pagedserve.engine.worker.models.gemma_settings import (
     text_model_name,
 )
 from pagedserve.engine.worker.models.layers import (
-    Embedding,
     GatedMLP,
-    Linear,
-    QuantizedEmbedding,
     RMSNorm,
-    VocabParallelEmbedding,
-    projection,
-    vocab_rows_per_rank,
 )
-from pagedserve.engine.worker.models.llama import CheckpointSlice, FusedLayers, KVCache, LlamaForCausalLM
+from pagedserve.engine.worker.models.llama import (
+    CheckpointSlice,
+    KVCache,
+    LlamaAttention,
+    LlamaForCausalLM,
+)
 from pagedserve.engine.worker.models.spec import ModelSpec
 from pagedserve.kernels import AttentionMetadata, KernelBackend, RotaryAngles
-from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 
 
-class GemmaAttention(nn.Module):
-    def __init__(
-        self,
-        spec: ModelSpec,
-        settings: GemmaSettings,
-        layer: int,
-        backend: KernelBackend,
-        group: TensorParallelGroup | None,
-    ) -> None:
-        """`spec`: this rank's part of the model (ModelSpec.for_rank) when it is split over `group`."""
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.scale = settings.query_scale
-        self.sliding_window = settings.window(layer)
-        self.soft_cap = settings.attention_soft_cap
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, backend=backend)
-        self.o_proj = projection(self.q_size, spec.hidden_size, backend, group)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if settings.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if settings.qk_norm else None
-        self.backend = backend
-        self.kv_cache: KVCache | None = None
-
-    def forward(self, angles: RotaryAngles, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.backend.rotary(angles, q, k)
-        assert self.kv_cache is not None, "bind_kv_caches() before the first forward"
-        k_cache, v_cache = self.kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = self.backend.paged_attention(
-            q, k_cache, v_cache, metadata, self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap
-        )
-        return self.o_proj(out.reshape(-1, self.q_size))
+def gemma_attention(
+    spec: ModelSpec, settings: GemmaSettings, layer: int, backend: KernelBackend, group: TensorParallelGroup | None
+) -> LlamaAttention:
+    """Layer `layer`'s attention: Llama's, with Gemma's query scale, q/k norms (Gemma 3), window and soft-cap."""
+    return LlamaAttention(
+        spec,
+        backend,
+        group,
+        scale=settings.query_scale,
+        qk_norm=settings.qk_norm,
+        sliding_window=settings.window(layer),
+        soft_cap=settings.attention_soft_cap,
+    )
 
 
 class GeluGatedMLP(GatedMLP):
@@ -105,7 +78,7 @@ class GemmaDecoderLayer(nn.Module):
         self.layer_type = settings.layer_types[layer]
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, backend)
-        self.self_attn = GemmaAttention(spec, settings, layer, backend, group)
+        self.self_attn = gemma_attention(spec, settings, layer, backend, group)
         self.post_attention_layernorm = RMSNorm(hidden, eps, backend)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, backend)
         self.mlp = GeluGatedMLP(hidden, spec.intermediate_size, backend, group)
@@ -138,43 +111,26 @@ class GemmaForCausalLM(LlamaForCausalLM):
         "self_attn.k_norm.weight": "attn_k_norm.weight",
     }
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        hf_config: Any,
-        backend: KernelBackend,
-        max_positions: int,
-        group: TensorParallelGroup | None = None,
-        rotary: GemmaRotary | None = None,
-    ) -> None:
-        """As LlamaForCausalLM's; `rotary`: tables built beforehand (for a model built on the meta device)."""
-        nn.Module.__init__(self)
-        self.spec = spec
+    def setup_positions(self, hf_config: Any, max_positions: int, rotary: nn.Module | None) -> None:
+        """Gemma's settings, its KV cache groups, and cos/sin tables per layer type (`rotary`: built beforehand, for
+        a model built on the meta device)."""
+        assert rotary is None or isinstance(rotary, GemmaRotary)
+        spec = self.spec
         self.settings = GemmaSettings.from_hf_config(hf_config)
-        self.group = group
-        self.rank_spec = spec.for_rank(1 if group is None else group.size)
-        self.backend = backend
         self.rotary_by_type = rotary if rotary is not None else GemmaRotary(spec.head_dim, max_positions, hf_config)
-        self.embed_tokens: nn.Embedding | VocabParallelEmbedding | QuantizedEmbedding = (
-            Embedding(spec.vocab_size, spec.hidden_size)
-            if group is None
-            else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, group)
-        )
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(self.rank_spec, self.settings, i, backend, group) for i in range(spec.num_layers)
-        )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
-        head_rows = spec.vocab_size if group is None else vocab_rows_per_rank(spec.vocab_size, group.size)
-        self.lm_head = (
-            None if spec.tie_word_embeddings else Linear(spec.hidden_size, head_rows, bias=False, backend=backend)
-        )
-        self.quantized_head: AnyQuantizedWeight | None = None
-        self.native_decoder: FusedLayers | None = None  # stays None: see native_decoder.py
+        self.kv_groups = kv_cache_groups([self.settings.window(i) for i in range(spec.num_layers)])
+        group_of_layer = self.kv_groups.group_of_layer()
+        self.kv_group_of_layer = [group_of_layer[i] for i in range(spec.num_layers)]
+        self.shares_kv_caches = False  # whether layers of different groups share cache tensors (bind_kv_caches)
+
+    def decoder_layer(self, index: int) -> nn.Module:
+        return GemmaDecoderLayer(self.rank_spec, self.settings, index, self.backend, self.group)
 
     def bind_kv_caches(self, caches: list[KVCache]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             assert isinstance(layer, GemmaDecoderLayer)
             layer.self_attn.kv_cache = cache
+        self.shares_kv_caches = len({id(k_cache) for k_cache, _ in caches}) < len(caches)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         embeddings = self.embed_tokens(input_ids)
@@ -183,10 +139,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
         embeddings = embeddings * _rounded(self.spec.hidden_size**0.5, embeddings.dtype)
         angles = self.rotary_by_type.angles(positions)
         hidden = self.backend.in_linear_output_layout(embeddings)
+        # Caches shared by the KV cache groups need each group's block tables; caches of their own (a draft model,
+        # profiling) take the one table for all layers.
+        by_group = metadata.groups or [metadata] * self.kv_groups.num_groups
+        assert metadata.groups or not self.shares_kv_caches, "grouped KV caches need each group's block tables"
         residual = None
-        for layer in self.layers:
+        for layer, group in zip(self.layers, self.kv_group_of_layer):
             assert isinstance(layer, GemmaDecoderLayer)
-            hidden, residual = layer(angles[layer.layer_type], hidden, residual, metadata)
+            hidden, residual = layer(angles[layer.layer_type], hidden, residual, by_group[group])
         assert residual is not None, "a model has at least one layer"
         return self.norm.add_and_forward(hidden, residual)[0]
 

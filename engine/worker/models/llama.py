@@ -39,18 +39,32 @@ VOCAB_PARAMETERS = ("embed_tokens.weight", "lm_head.weight")
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: KernelBackend, group: TensorParallelGroup | None) -> None:
-        """`spec`: this rank's part of the model (ModelSpec.for_rank) when it is split over `group`."""
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: KernelBackend,
+        group: TensorParallelGroup | None,
+        *,
+        scale: float | None = None,
+        qk_norm: bool | None = None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> None:
+        """`spec`: this rank's part of the model (ModelSpec.for_rank) when it is split over `group`. The keywords
+        are what another family sets otherwise (Gemma: its query scale, q/k norms, window and soft-cap); by default
+        head_dim ** -0.5, the spec's q/k norms, the whole context, no cap."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.head_dim**-0.5 if scale is None else scale
+        self.sliding_window = spec.sliding_window if sliding_window is None else sliding_window  # Mistral v0.1's
+        self.soft_cap = soft_cap
+        qk_norm = spec.qk_norm if qk_norm is None else qk_norm
         self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, backend=backend)
         self.o_proj = projection(self.q_size, spec.hidden_size, backend, group)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if spec.qk_norm else None
-        self.sliding_window = spec.sliding_window  # Mistral v0.1's: every layer reads its last 4,096 tokens
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, backend) if qk_norm else None
         self.backend = backend
         self.kv_cache: KVCache | None = None
 
@@ -65,7 +79,9 @@ class LlamaAttention(nn.Module):
         assert self.kv_cache is not None, "bind_kv_caches() before the first forward"
         k_cache, v_cache = self.kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = self.backend.paged_attention(q, k_cache, v_cache, metadata, self.scale, self.sliding_window)
+        out = self.backend.paged_attention(
+            q, k_cache, v_cache, metadata, self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap
+        )
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -108,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         backend: KernelBackend,
         max_positions: int,
         group: TensorParallelGroup | None = None,
-        rotary: RotaryEmbedding | None = None,
+        rotary: nn.Module | None = None,
     ) -> None:
         """`group`: the ranks the model is split over (Megatron-style), None for the whole model here. Split,
         a rank holds its query and KV heads, its share of the MLP width and of the vocabulary. `rotary`: cos/sin
@@ -118,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.group = group
         self.rank_spec = spec.for_rank(1 if group is None else group.size)
         self.backend = backend
-        self.rotary = rotary if rotary is not None else rotary_embedding(spec, hf_config, max_positions)
+        self.setup_positions(hf_config, max_positions, rotary)
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding | QuantizedEmbedding = (
             Embedding(spec.vocab_size, spec.hidden_size)
             if group is None
@@ -135,8 +151,14 @@ class LlamaForCausalLM(nn.Module):
         # CPU decoder); None runs the layers' modules.
         self.native_decoder: FusedLayers | None = None
 
+    def setup_positions(self, hf_config: Any, max_positions: int, rotary: nn.Module | None) -> None:
+        """What the layers need before they are built: the cos/sin tables (`rotary` where built beforehand); a
+        subclass reads its own settings here too (models/gemma.py)."""
+        assert rotary is None or isinstance(rotary, RotaryEmbedding)
+        self.rotary = rotary if rotary is not None else rotary_embedding(self.spec, hf_config, max_positions)
+
     def decoder_layer(self, index: int) -> nn.Module:
-        """Layer `index`, for this rank (a subclass builds other layers: models/moe.py)."""
+        """Layer `index`, for this rank (a subclass builds other layers: models/moe.py, gemma.py)."""
         return LlamaDecoderLayer(self.rank_spec, self.backend, self.group)
 
     def weight_target(self, hf_name: str) -> tuple[str, tuple[int, int] | None] | None:
