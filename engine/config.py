@@ -67,6 +67,9 @@ class EngineConfig:
     ngram_max: int = 4  # the longest n-gram matched (tried first)
     draft_model: str | None = None  # the draft method's model (a folder or .gguf sharing the target's vocabulary)
     speculative_default: bool = True  # whether requests that leave `speculative` unset speculate
+    # Query tokens a speculating step may hold, running sequences x (1 + proposals each): k is turned down, then
+    # off, past it (None: 10 where block-format weights run on the CPU, max_num_batched_tokens elsewhere)
+    speculative_token_budget: int | None = None
 
     # Execution
     attention_backend: str = "auto"  # auto | triton | cpu
@@ -110,6 +113,11 @@ class EngineConfig:
                 f"one of {SPECULATIVE_METHODS} or None",
             ),
             (1 <= self.num_speculative_tokens <= 32, "num_speculative_tokens", "in [1, 32]"),
+            (
+                self.speculative_token_budget is None or self.speculative_token_budget >= 1,
+                "speculative_token_budget",
+                ">= 1 or None",
+            ),
             (self.ngram_min >= 1, "ngram_min", ">= 1"),
             (self.ngram_max >= self.ngram_min, "ngram_max", ">= ngram_min"),
             (
