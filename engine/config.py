@@ -67,9 +67,8 @@ class EngineConfig:
     ngram_max: int = 4  # the longest n-gram matched (tried first)
     draft_model: str | None = None  # the draft method's model (a folder or .gguf sharing the target's vocabulary)
     speculative_default: bool = True  # whether requests that leave `speculative` unset speculate
-    # Query tokens a speculating step may hold, running sequences x (1 + proposals each): k is turned down, then
-    # off, past it (None: 10 where block-format weights run on the CPU, max_num_batched_tokens elsewhere)
-    speculative_token_budget: int | None = None
+    # None: 10 where block-format weights run on the CPU (a row more costs half a step), max_num_batched_tokens else
+    speculative_token_budget: int | None = None  # query tokens of a speculating step: running x (k + 1), k cut to fit
 
     # Execution
     attention_backend: str = "auto"  # auto | triton | cpu
