@@ -69,6 +69,8 @@ class EngineConfig:
     ngram_max: int = 4  # the longest n-gram matched (tried first)
     draft_model: str | None = None  # the draft method's model (a folder or .gguf sharing the target's vocabulary)
     speculative_default: bool = True  # whether requests that leave `speculative` unset speculate
+    # None: 10 where block-format weights run on the CPU (a row more costs half a step), max_num_batched_tokens else
+    speculative_token_budget: int | None = None  # query tokens of a speculating step: running x (k + 1), k cut to fit
 
     # Execution
     attention_backend: str = "auto"  # auto | triton | cpu
@@ -112,6 +114,11 @@ class EngineConfig:
                 f"one of {SPECULATIVE_METHODS} or None",
             ),
             (1 <= self.num_speculative_tokens <= 32, "num_speculative_tokens", "in [1, 32]"),
+            (
+                self.speculative_token_budget is None or self.speculative_token_budget >= 1,
+                "speculative_token_budget",
+                ">= 1 or None",
+            ),
             (self.ngram_min >= 1, "ngram_min", ">= 1"),
             (self.ngram_max >= self.ngram_min, "ngram_max", ">= ngram_min"),
             (

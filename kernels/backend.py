@@ -48,6 +48,10 @@ class KernelBackend(ABC):
     # True when a step's launches depend only on device tensors and what `prepare` planned, so a recorded
     # CUDA graph stays valid for any lengths (see engine/worker/cuda_graphs.py).
     supports_cuda_graphs: bool = False
+    # Rows of this step's products that are proposed tokens (speculative decoding), set by the runner around a
+    # step's forward and its sampling rows' head: the CPU backend leaves them out when it chooses between integer
+    # and float32 activations, so that verifying rows multiply as plain decoding's would.
+    proposed_rows: int = 0
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         """Per-step host-side work shared by every layer; returns metadata with its `plan` filled."""

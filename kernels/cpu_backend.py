@@ -152,13 +152,21 @@ class CpuBackend(KernelBackend):
         out = torch.empty(weight.shape[0], x.shape[0]).t()  # feature-major, as linear() returns
         for part, start, stop in products:  # each part fills its own columns of one output
             part_bias = None if bias is None else bias[start:stop]
-            quantized_linear(x, part, part_bias, out=out[:, start:stop], activation_dtype=self.activation_dtype)
+            quantized_linear(
+                x, part, part_bias, out=out[:, start:stop], activation_dtype=self.activation_dtype,
+                integer_tokens=self._integer_tokens(x),
+            )  # fmt: skip
         return out
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor | ProjectionWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):  # the kernel writes rows as they are asked for: no transposed copy
-            return quantized_linear(hidden, weight, activation_dtype=self.activation_dtype)
+            tokens = self._integer_tokens(hidden)
+            return quantized_linear(hidden, weight, activation_dtype=self.activation_dtype, integer_tokens=tokens)
         return super().logits(hidden, weight)
+
+    def _integer_tokens(self, x: torch.Tensor) -> int:
+        """The rows the choice of integer activations counts: x's without the step's proposed tokens."""
+        return max(1, x.shape[0] - self.proposed_rows)
 
     def in_linear_output_layout(self, x: torch.Tensor) -> torch.Tensor:
         return x.t().contiguous().t() if _feature_major(x) else x

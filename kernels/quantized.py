@@ -81,18 +81,21 @@ def quantized_linear(
     *,
     out: torch.Tensor | None = None,
     activation_dtype: str = "float32",
+    integer_tokens: int | None = None,
 ) -> torch.Tensor:
     """x [T, in] @ W^T + bias -> [T, out], float32, on the CPU.
 
     x may be token-major or feature-major (a transposed view); the kernel reads it token-major, copying a
     feature-major x of more than one token. `out` (float32 [T, out], either layout) receives the result where
     given, so a caller may ask for the feature-major layout; otherwise a new token-major tensor does.
-    activation_dtype "int8" / "int16": x quantized to 8 / 16 bits where a kernel takes it (see above).
+    activation_dtype "int8" / "int16": x quantized to 8 / 16 bits where a kernel takes it (see above), chosen by
+    x's rows, or by `integer_tokens` where given (a step verifying proposed tokens counts its rows without them,
+    so that its products take the path plain decoding's would: engine/worker/model_runner.py).
     """
     _check_operands(x, weight, bias, out)
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0])
-    kernel = _kernel_for(x, weight, activation_dtype)
+    kernel = _kernel_for(x.shape[0] if integer_tokens is None else integer_tokens, weight, activation_dtype)
     if kernel is not None and not x.requires_grad:
         return kernel(x, weight, bias, out)
     return tiled_linear(x, weight, bias, out)
@@ -138,11 +141,12 @@ def _check_operands(
 QuantizedLinear = Callable[[torch.Tensor, QuantizedWeight, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
 
-def _kernel_for(x: torch.Tensor, weight: QuantizedWeight, activation_dtype: str) -> QuantizedLinear | None:
-    """The int8 kernel where asked for and it takes this product; else the float32 one (None: no library)."""
+def _kernel_for(tokens: int, weight: QuantizedWeight, activation_dtype: str) -> QuantizedLinear | None:
+    """The int8 kernel where asked for and it takes a product of `tokens` tokens; else the float32 one (None: no
+    library)."""
     if activation_dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"activation_dtype must be one of {ACTIVATION_DTYPES}, got {activation_dtype!r}")
-    if x.shape[0] < integer_max_tokens(activation_dtype) and weight.qtype in int8_formats():
+    if tokens < integer_max_tokens(activation_dtype) and weight.qtype in int8_formats():
         return int8_linear_kernel(activation_dtype == "int16") or quantized_linear_kernel()
     return quantized_linear_kernel()
 

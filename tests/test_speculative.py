@@ -18,7 +18,11 @@ from pagedserve.engine.speculative.ngram import NgramProposer, propose_ngram
 from pagedserve.engine.worker.model_loader import LoadedModel, load_model
 from tests.conftest import TINY_COMMON
 
-SPECULATIVE = dict(speculative_method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
+# Speculating whatever the batch (the budget's default turns it off past two sequences with block formats on the
+# CPU): these tests check what speculation outputs, not what it costs.
+SPECULATIVE = dict(
+    speculative_method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3, speculative_token_budget=2048
+)
 DRAFT = dict(speculative_method="draft", num_speculative_tokens=3)
 
 
@@ -182,6 +186,20 @@ def test_penalties_bias_and_min_tokens_apply_at_every_verified_position(tiny_voc
     assert_kv_all_free(engine)
 
 
+def record_longest_proposals(engine: LLMEngine) -> list[tuple[int, int]]:
+    """(running sequences, the most tokens one of them proposed) of every step the engine schedules from now."""
+    steps: list[tuple[int, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule(proposals: dict[str, list[int]] | None = None):  # type: ignore[no-untyped-def]
+        out = schedule(proposals)
+        steps.append((len(engine.scheduler.running), max(len(s.draft_token_ids) for s in out.scheduled)))
+        return out
+
+    engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    return steps
+
+
 def test_speculation_off_per_request_and_when_the_batch_is_large(tiny_llama_loaded: LoadedModel) -> None:
     rng = random.Random(4)
     prompts = [grounded_prompt(rng, 40) for _ in range(4)]
@@ -189,20 +207,14 @@ def test_speculation_off_per_request_and_when_the_batch_is_large(tiny_llama_load
     engine = make_engine(tiny_llama_loaded, num_kv_blocks=64, **SPECULATIVE)
     generate(engine, prompts, [off] * 4)
     assert engine.collect_stats().speculation.num_drafts == 0
-    # 4 running x (3 + 1) tokens exceed a budget of 15: only steps with at most 3 running speculate.
-    engine = make_engine(tiny_llama_loaded, num_kv_blocks=64, max_num_batched_tokens=15, **SPECULATIVE)
-    steps: list[tuple[int, bool]] = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule(proposals: dict[str, list[int]] | None = None):  # type: ignore[no-untyped-def]
-        out = schedule(proposals)
-        steps.append((len(engine.scheduler.running), any(s.draft_token_ids for s in out.scheduled)))
-        return out
-
-    engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    # A budget of 11 tokens: k 3 for 1-2 running, 2 for 3, 1 for 4 (running x (k + 1) <= 11); of 7: none for 4.
     on = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    generate(engine, prompts, [on] * 4)
-    assert (4, False) in steps and (4, True) not in steps and (3, True) in steps
+    for budget, most_at_four in ((11, 1), (7, 0)):
+        engine = make_engine(tiny_llama_loaded, num_kv_blocks=64, **{**SPECULATIVE, "speculative_token_budget": budget})
+        steps = record_longest_proposals(engine)
+        generate(engine, prompts, [on] * 4)
+        assert all(longest <= min(3, budget // running - 1) for running, longest in steps)
+        assert max(longest for running, longest in steps if running == 4) == most_at_four
     engine = make_engine(tiny_llama_loaded, num_kv_blocks=64, speculative_default=False, **SPECULATIVE)
     generate(engine, prompts, [on, on, on, SamplingParams(max_tokens=20, temperature=0, speculative=True)])
     assert engine.collect_stats().speculation.num_drafts > 0
@@ -331,14 +343,31 @@ def test_a_sequence_whose_proposals_are_rejected_outright_proposes_less_often() 
     request = Request("r", [1, 2, 3], SamplingParams(), max_tokens=10)
     pauses = []
     for _ in range(4):
-        _note_outcome(request, accepted=0)
+        _note_outcome(request, accepted=0, proposed=4)
         steps = 0
         while _pausing(request):
             steps += 1
         pauses.append(steps)
     assert pauses == [1, 2, 4, 4]
-    _note_outcome(request, accepted=2)
+    _note_outcome(request, accepted=2, proposed=4)
     assert not _pausing(request) and request.speculation_misses == 0
+
+
+def test_a_sequence_proposes_as_many_tokens_as_its_acceptance_makes_worth_verifying() -> None:
+    from pagedserve.engine.core.speculator import _note_outcome, proposal_limit
+    from pagedserve.engine.scheduling.request import Request
+
+    request = Request("r", [1, 2, 3], SamplingParams(), max_tokens=10)
+    assert proposal_limit(request, 4) == 4  # new: the prior trusts the proposer
+    for _ in range(3):
+        _note_outcome(request, accepted=1, proposed=4)  # one of four: about half accepted
+    assert proposal_limit(request, 4) == 1
+    for _ in range(4):
+        _note_outcome(request, accepted=4, proposed=4)
+    assert proposal_limit(request, 4) == 4
+    for _ in range(6):
+        _note_outcome(request, accepted=0, proposed=1)
+    assert proposal_limit(request, 4) == 1  # never none: the pauses throttle it, and proposing is how it learns
 
 
 def test_parallel_samples_and_prompt_logprobs_speculate_beside_each_other(tiny_vocab_loaded: LoadedModel) -> None:

@@ -69,7 +69,8 @@ def served_tokens(
         return runs, engine.snapshot()
 
 
-BASE = dict(num_kv_blocks=512, max_num_seqs=16, engine_process=False)
+# speculative_token_budget: 16 streams speculate too (by default block formats on the CPU stop at two).
+BASE = dict(num_kv_blocks=512, max_num_seqs=16, engine_process=False, speculative_token_budget=2048)
 
 
 @pytest.fixture(scope="module")

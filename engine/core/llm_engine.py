@@ -13,7 +13,13 @@ import torch
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.messages import EngineSnapshot
 from pagedserve.engine.core.sampler import Sampler
-from pagedserve.engine.core.speculator import SpeculationStats, Speculator, make_proposer, split_rows
+from pagedserve.engine.core.speculator import (
+    SpeculationStats,
+    Speculator,
+    make_proposer,
+    split_rows,
+    token_budget,
+)
 from pagedserve.engine.outputs import PromptLogprobs, RequestMetrics, SequenceDelta, TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduling.hybrid_kv_cache_manager import kv_cache_manager
@@ -94,7 +100,8 @@ class LLMEngine:
         )
         # After what close() ends: a draft model that cannot serve (another vocabulary) fails the start cleanly.
         proposer = make_proposer(self.config, self.loaded, plan.num_blocks)
-        self.speculator = Speculator(self.config, self.max_model_len, proposer)
+        budget = token_budget(self.config, self.loaded)
+        self.speculator = Speculator(self.config, self.max_model_len, proposer, budget)
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._children = RequestGroups()  # caller's id -> ids of its n sequences

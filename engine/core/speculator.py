@@ -6,15 +6,18 @@ logits row for the last known token and for each proposal; `verify_all` keeps wh
 (engine/core/speculation.py) and the scheduler rolls the rest back.
 
 Not every sequence speculates: requests with a structured-output constraint (the grammar would have to follow
-every proposed position) or logprobs, and every sequence in a step whose running batch times (k + 1) exceeds
-the token budget, where a forward is bound by compute rather than by reading the weights and extra query tokens
-cost about what they compute. A sequence whose proposals were all rejected proposes again only after 1, 2, then
-4 decoding steps.
+every proposed position) or logprobs; and a step's k is turned down so that its running sequences x (k + 1) fit
+the speculative token budget, then off (`token_budget`): past it a forward is bound by compute rather than by
+reading the weights, and extra query tokens cost about what they compute. On the CPU's block formats that is
+so from a few rows on (10 tokens: one or two sequences with k = 4), elsewhere from the step's token budget.
+A sequence proposes only as many tokens as its recent acceptance says are worth verifying (`proposal_limit`),
+and one whose proposals were all rejected proposes again only after 1, 2, then 4 decoding steps.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +33,12 @@ from pagedserve.engine.worker import LoadedModel
 
 logger = logging.getLogger(__name__)
 MAX_PAUSE_STEPS = 4  # after proposals rejected outright, steps without any: 1, 2, 4, 4, ... in a row
+# A proposal is worth verifying while its chance of acceptance is at least this: on the CPU's block formats a
+# query row more costs about half to two thirds of a one-token step (benchmarks/README.md, speculative decoding),
+# so a proposal accepted less often costs more than it brings. (On a GPU a row costs far less: this is cautious.)
+MIN_ACCEPTANCE = 0.6
+ACCEPTANCE_MEMORY = 0.7  # the weight of the acceptance seen before a verification, against that verification's
+PRIOR_ACCEPTANCE, PRIOR_TRIALS = 0.9, 2.0  # a new sequence proposes 4 tokens: 0.9 ** 4 > MIN_ACCEPTANCE
 
 
 @dataclass
@@ -59,15 +68,45 @@ def _pausing(request: Request) -> bool:
     return False
 
 
-def _note_outcome(request: Request, accepted: int) -> None:
+def acceptance(request: Request) -> float:
+    """The chance that the sequence's next proposal is accepted, from its recent verifications (and a prior)."""
+    accepted = request.speculation_accepted + PRIOR_ACCEPTANCE * PRIOR_TRIALS
+    return accepted / (request.speculation_trials + PRIOR_TRIALS)
+
+
+def proposal_limit(request: Request, k: int) -> int:
+    """How many proposals are worth verifying: the j-th is accepted only after the ones before it, with chance
+    about a ** j, and pays while that is at least MIN_ACCEPTANCE. At least one (the pauses below throttle a
+    sequence whose proposals keep failing, and its acceptance is learnt only by proposing)."""
+    a = acceptance(request)
+    worth = k if a >= 1 else int(math.log(MIN_ACCEPTANCE) / math.log(a)) if a > 0 else 0
+    return max(1, min(k, worth))
+
+
+def _note_outcome(request: Request, accepted: int, proposed: int) -> None:
     """A sequence whose proposals keep being rejected outright (text the proposer cannot guess) proposes less
     often: each wasted verification costs its rows' compute, which on the CPU's block formats is close to a
-    decode step per row."""
+    decode step per row. Its acceptance estimate follows: accepted tokens, and trials (a rejection ends one)."""
+    rejected = 1 if accepted < proposed else 0
+    request.speculation_accepted = ACCEPTANCE_MEMORY * request.speculation_accepted + accepted
+    request.speculation_trials = ACCEPTANCE_MEMORY * request.speculation_trials + accepted + rejected
     if accepted > 0:
         request.speculation_misses = 0
         return
     request.speculation_misses += 1
     request.speculation_pause = min(2 ** (request.speculation_misses - 1), MAX_PAUSE_STEPS)
+
+
+CPU_BLOCKS_TOKEN_BUDGET = 10  # the default speculative token budget where block formats run on the CPU
+
+
+def token_budget(config: EngineConfig, target: LoadedModel) -> int:
+    """The query tokens a speculating step may hold (EngineConfig.speculative_token_budget, or its default)."""
+    if config.speculative_token_budget is not None:
+        return config.speculative_token_budget
+    if target.multiplies_blocks_on_cpu:
+        return min(CPU_BLOCKS_TOKEN_BUDGET, config.max_num_batched_tokens)
+    return config.max_num_batched_tokens
 
 
 def make_proposer(config: EngineConfig, target: LoadedModel, num_target_blocks: int) -> Proposer | None:
@@ -79,11 +118,13 @@ def make_proposer(config: EngineConfig, target: LoadedModel, num_target_blocks: 
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, max_model_len: int, proposer: Proposer | None) -> None:
+    def __init__(
+        self, config: EngineConfig, max_model_len: int, proposer: Proposer | None, budget: int | None = None
+    ) -> None:
         self.proposer = proposer
         self.following: set[str] = set()  # the running sequences at the last round (the proposer may hold state)
         self.num_tokens = config.num_speculative_tokens
-        self.token_budget = config.max_num_batched_tokens
+        self.token_budget = config.max_num_batched_tokens if budget is None else budget
         self.default = config.speculative_default
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()  # since collect_stats last reset them (benchmarks)
@@ -94,12 +135,17 @@ class Speculator:
         if self.proposer is None:
             return {}
         self.follow(running)
-        if len(running) * (self.num_tokens + 1) > self.token_budget:
+        k = min(self.num_tokens, self.token_budget // max(1, len(running)) - 1)  # (k + 1) x running fit the budget
+        if k < 1:
             return {}
         candidates = [r for r in running if self._speculates(r) and not _pausing(r)]
         # Room for the proposals and the target's token after them, within max_tokens and the context.
         limits = [
-            min(self.num_tokens, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
+            min(
+                proposal_limit(r, k),
+                r.max_tokens - r.num_output_tokens - 1,
+                self.max_model_len - r.num_tokens - 1,
+            )
             for r in candidates
         ]
         drafts = self.proposer.propose(candidates, limits)
@@ -141,7 +187,7 @@ class Speculator:
                 failed[request.parent_id] = f"sampling failed: {exc}"
                 continue
             verified[request.request_id] = tokens
-            _note_outcome(request, accepted=len(tokens) - 1)
+            _note_outcome(request, accepted=len(tokens) - 1, proposed=len(item.draft_token_ids))
             for stats in (self.stats, self.totals):
                 stats.record(len(item.draft_token_ids), len(tokens) - 1)
         return verified, failed

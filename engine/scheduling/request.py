@@ -73,9 +73,12 @@ class Request:
         self.times = RequestTimes() if arrival_time is None else RequestTimes(arrival=arrival_time)
         self.generator: torch.Generator | None = None
         self.grammar: llguidance.LLMatcher | None = None  # set by the engine when params.structured_output
-        # Speculative decoding: proposals rejected outright in a row, and decoding steps left without any.
+        # Speculative decoding: proposals rejected outright in a row, decoding steps left without any, and the
+        # recent proposals' acceptance (decayed counts: accepted ones, and trials, a rejection ending each).
         self.speculation_misses = 0
         self.speculation_pause = 0
+        self.speculation_accepted = 0.0
+        self.speculation_trials = 0.0
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
 

@@ -134,4 +134,15 @@ class HostBatch:
         )
 
 
+def num_proposed_rows(batch: HostBatch) -> int:
+    """Sampling rows that are proposed tokens: each verifying sequence's rows but its first (its last known token,
+    whose row plain decoding has too). A sequence's rows are consecutive, so they are the rows whose sequence is
+    the previous row's."""
+    rows = batch.logits_indices
+    if len(rows) <= 1:
+        return 0
+    seq = torch.searchsorted(batch.query_start_loc[1:].to(rows.dtype), rows, right=True)
+    return int((seq[1:] == seq[:-1]).sum())
+
+
 NUM_BATCH_PARTS = 7  # HostBatch.parts(); a step command adds the prompt rows and the block copies

@@ -36,9 +36,9 @@ def load_draft_runner(
     assert config.draft_model is not None
     draft = load_model(config.replace(model=config.draft_model, tokenizer=None, tensor_parallel_size=1))
     check_same_vocabulary(target, draft)
-    # The target verifies k + 1 rows at once, a step long enough to multiply float32 activations whatever
-    # activation_dtype says (kernels/quantized.py: INT8_MAX_TOKENS); a draft multiplying the same way proposes
-    # what the verification computes (the target as its own draft: every proposal accepted).
-    use_activation_dtype(draft.backend, "float32")
+    # The target verifies k + 1 rows with the activations plain decoding's step would have (the step's proposed
+    # rows aside: kernels/quantized.py), and the draft decodes a token a step: with the target's activations it
+    # proposes what the verification computes (the target as its own draft: every proposal accepted).
+    use_activation_dtype(draft.backend, config.activation_dtype)
     caches = allocate_kv_caches(draft.rank_spec, num_blocks, block_tables.block_size, draft.dtype, draft.device)
     return draft, ModelRunner(draft.model, draft.backend, block_tables, caches, draft.device)

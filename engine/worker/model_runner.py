@@ -6,9 +6,10 @@ the batch from the scheduler's output, and when the model is split over ranks fi
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import cast
 
 import torch
@@ -23,6 +24,7 @@ from pagedserve.engine.worker.batch import (
     SequenceState,
     StepInputs,
     StepLogits,
+    num_proposed_rows,
 )
 from pagedserve.engine.worker.cuda_graphs import Capture, DecodeGraphs
 from pagedserve.engine.worker.distributed.commands import Command, send_command
@@ -115,6 +117,16 @@ class ShardRunner:
             k_cache.index_copy_(0, destination, k_cache.index_select(0, source))
             v_cache.index_copy_(0, destination, v_cache.index_select(0, source))
 
+    @contextlib.contextmanager
+    def proposals_counted(self, batch: HostBatch) -> Iterator[None]:
+        """The step's proposed rows told to the backend for its forward and sampling head (not for prompt rows
+        scored after them): a verifying step chooses its activations as plain decoding's would."""
+        self.backend.proposed_rows = num_proposed_rows(batch)
+        try:
+            yield
+        finally:
+            self.backend.proposed_rows = 0
+
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         if self.decode_graphs is not None and self.decode_graphs.can_run(inputs):
             return self.decode_graphs.run(inputs)
@@ -130,8 +142,9 @@ class ShardRunner:
             self.copy_blocks([(source, destination) for source, destination in copies.view(-1, 2).tolist()])
         inputs = self.to_inputs(batch)
         start = time.perf_counter()
-        hidden = self.forward(inputs)
-        self.model.compute_logits(hidden[inputs.logits_indices])
+        with self.proposals_counted(batch):
+            hidden = self.forward(inputs)
+            self.model.compute_logits(hidden[inputs.logits_indices])
         for part in lm_head_chunks(len(prompt_rows), self.device):
             self.model.compute_logits(hidden[prompt_rows[part].to(self.device)])
         self.forward_seconds += time.perf_counter() - start
@@ -256,8 +269,9 @@ class ModelRunner(ShardRunner):
             self.copy_blocks(copies)
         inputs = self.to_inputs(batch, prompt_rows)
         start = time.perf_counter()
-        hidden = self.forward(inputs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        with self.proposals_counted(batch):
+            hidden = self.forward(inputs)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         prompt = score(self.model.compute_logits, hidden, inputs.prompt_rows) if inputs.prompt_rows else {}
         self.forward_seconds += time.perf_counter() - start
         self.num_tokens_processed += len(inputs.input_ids)

@@ -10,7 +10,8 @@ MAX_TOKENS tokens, which bounds the step's scratch memory. Elsewhere the model's
 
 Both paths multiply with the activations the backend's `activation_dtype` names (EngineConfig.activation_dtype,
 set by `use_activation_dtype`): 8- or 16-bit ones for steps of fewer than integer_max_tokens(dtype) tokens
-(kernels/quantized.py) where it says int8 or int16.
+(kernels/quantized.py) where it says int8 or int16, counted without the step's proposed tokens (the backend's
+proposed_rows), so that a verifying step multiplies as plain decoding's would have.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ class CpuDecoder:
             )
         )
         k_cache = caches[0][0]
+        self._backend = model.backend
         activation_dtype = getattr(model.backend, "activation_dtype", "float32")
+        self._int8_max_tokens = integer_max_tokens(activation_dtype)
         self._model = _Model(
             num_layers=spec.num_layers,
             hidden=spec.hidden_size,
@@ -133,12 +136,15 @@ class CpuDecoder:
 
     @property
     def int8_max_tokens(self) -> int:
-        """Steps of fewer tokens multiply integer activations (0: none do)."""
-        return int(self._model.int8_max_tokens)
+        """Steps of fewer tokens (proposed ones aside) multiply integer activations (0: none do)."""
+        return self._int8_max_tokens
 
     @int8_max_tokens.setter
     def int8_max_tokens(self, tokens: int) -> None:
-        self._model.int8_max_tokens = tokens
+        self._int8_max_tokens = tokens
+
+    def _integer_step(self, tokens: int) -> bool:
+        return tokens - self._backend.proposed_rows < self._int8_max_tokens
 
     def forward(
         self, embeddings: torch.Tensor, angles: RotaryAngles, metadata: AttentionMetadata
@@ -167,6 +173,8 @@ class CpuDecoder:
             query_rows=rows.query_rows.data_ptr(),
             num_queries=tokens,
         )
+        # The native forward compares the step's tokens with this: above them, or 0, decides for it.
+        self._model.int8_max_tokens = tokens + 1 if self._integer_step(tokens) else 0
         residual = embeddings.contiguous()  # a new tensor (the embedding lookup's): the residual stream in place
         out = torch.empty_like(residual)
         status = self._function(
