@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import time
@@ -87,12 +88,18 @@ def wait_ready(process: subprocess.Popen, url: str, timeout: float) -> bool:
 
 
 @contextlib.contextmanager
-def server_process(command: list[str], url: str, log: Path, startup_seconds: float) -> Iterator[subprocess.Popen]:
+def server_process(
+    command: list[str], url: str, log: Path, startup_seconds: float, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
     """`command` (a `pagedserve serve`) in a process of its own, logging to `log`, once `url` is ready; terminated
-    (killed if it will not stop) on the way out."""
+    (killed if it will not stop) on the way out. `env`: variables added to this process's environment."""
     with log.open("w") as sink:
         process = subprocess.Popen(
-            command, cwd=Path(__file__).resolve().parents[1], stdout=sink, stderr=subprocess.STDOUT
+            command,
+            cwd=Path(__file__).resolve().parents[1],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env},
         )
     try:
         if not wait_ready(process, url, startup_seconds):
