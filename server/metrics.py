@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagedserve.engine import EngineUnavailableError, SequenceDelta
+from pagedserve.engine import SequenceDelta
 from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.engine.client.async_stream import EngineObserver
 
@@ -107,6 +107,8 @@ class _EngineCollector(Collector):
         (GaugeMetricFamily, "num_requests_running", "Sequences running.", "num_running"),
         (GaugeMetricFamily, "num_requests_waiting", "Sequences waiting.", "num_waiting"),
         (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", "kv_cache_usage"),
+        (GaugeMetricFamily, "num_kv_blocks", "KV cache blocks in all.", "num_kv_blocks"),
+        (GaugeMetricFamily, "num_free_kv_blocks", "KV blocks free, or cached with no reference.", "num_free_blocks"),
         (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up.", "prefix_cache_queries"),
         (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found cached.", "prefix_cache_hits"),
         (CounterMetricFamily, "num_preemptions", "Preemptions.", "num_preemptions"),
@@ -162,7 +164,7 @@ class _EngineCollector(Collector):
             family = kind(PREFIX + name, doc, labels=["model_name"])
             family.add_metric(self._labels, getattr(snapshot, field))
             yield family
-        yield from self._capacity()
+        yield self._queue_places()
         per_position = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Proposed tokens accepted, by their position in the proposal (0 first).",
@@ -172,23 +174,12 @@ class _EngineCollector(Collector):
             per_position.add_metric([*self._labels, str(position)], count)
         yield per_position
 
-    def _capacity(self) -> Iterator[Metric]:
-        """What requests can still take: KV blocks, and places in the waiting queue. With no request left, every
-        block is free and no place is held; anything else is a leak."""
-        engine = self._engine
-        try:
-            num_blocks = engine.info.num_kv_blocks
-        except EngineUnavailableError:  # still loading
-            num_blocks = 0
-        for name, doc, value in (
-            ("num_kv_blocks", "KV cache blocks in all.", num_blocks),
-            ("num_free_kv_blocks", "Blocks free, or cached with no reference.", engine.snapshot().num_free_blocks),
-            (
-                "num_queue_places_held",
-                "Waiting-queue places held: sequences not yet scheduled, and requests admitted but not yet submitted.",
-                engine.queue_places_held(),
-            ),
-        ):
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(self._labels, value)
-            yield family
+    def _queue_places(self) -> Metric:
+        """Read on the API side, where places are reserved: with no request left, none is held (else a leak)."""
+        family = GaugeMetricFamily(
+            PREFIX + "num_queue_places_held",
+            "Waiting-queue places held: sequences not yet scheduled, and requests admitted but not yet submitted.",
+            labels=["model_name"],
+        )
+        family.add_metric(self._labels, self._engine.queue_places_held())
+        return family
