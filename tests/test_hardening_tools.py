@@ -287,7 +287,8 @@ def test_constraints_too_complex_to_compile_name_their_field(url: str) -> None:
     rules = chat(url, structured_outputs={"grammar": chained_rules_grammar()})
     assert "too complex" in assert_error(rules, 400, "invalid_value", "structured_outputs.grammar")
     text_format = {"type": "json_schema", "name": "x", "schema": chained_refs_schema()}
-    assert "too complex" in assert_error(respond(url, text={"format": text_format}), 400, "invalid_value", "text.format")
+    refs = respond(url, text={"format": text_format})
+    assert "too complex" in assert_error(refs, 400, "invalid_value", "text.format")
 
 
 def test_responses_bad_tool_name_gets_an_openai_message(url: str) -> None:
