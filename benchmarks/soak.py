@@ -50,10 +50,12 @@ LOAD_SAMPLE_SECONDS = 10.0
 PROBES = ("The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are")
 PROBE_SHARE = 0.1
 # Engine flags the soak defaults to, for the small shared CPU machine it runs on (any flag overrides them): a step of
-# 2,048 prompt tokens takes seconds on a CPU, longer than the gap limit; and two intra-op threads, which meet at a
-# barrier in every layer, stall whenever either loses its core to other work (on a busy 2-core machine: 247 of
-# 1,711 gaps over 1 s with two threads, 1 of 2,824 with one, no attacks at all).
-MACHINE_DEFAULTS = {"--max-num-batched-tokens": "64", "--num-threads": "1"}
+# 2,048 prompt tokens takes seconds on a CPU, longer than the gap limit, and so, on a busy 2-core machine (load 5),
+# does one of 64 beside a 3,000-token prompt (median 0.75 s, longest 1.25 s; 32 tokens: 0.30 s, 0.50 s), which a
+# stream decoding beside it waits for; and two intra-op threads, which meet at a barrier in every layer, stall
+# whenever either loses its core to other work (247 of 1,711 gaps over 1 s with two threads, 1 of 2,824 with one,
+# no attacks at all).
+MACHINE_DEFAULTS = {"--max-num-batched-tokens": "32", "--num-threads": "1"}
 # Attacks are sent in every other half-minute: the innocent streams' gaps while none is in flight are the control,
 # measured in the same run, on the same (possibly busy) machine.
 ATTACK_PHASE_SECONDS = 30.0
