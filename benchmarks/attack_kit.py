@@ -58,9 +58,10 @@ def chat_body(model: str, **fields: object) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **fields}
 
 
-async def post(target: Target, path: str, body: dict) -> httpx.Response:
-    """POSTs `body` as JSON; an error answer must be OpenAI-shaped."""
-    response = await target.client.post(path, json=body)
+async def post(target: Target, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
+    """POSTs `body` as JSON (`timeout`: seconds, else the client's); an error answer must be OpenAI-shaped."""
+    wait = httpx.USE_CLIENT_DEFAULT if timeout is None else httpx.Timeout(timeout)
+    response = await target.client.post(path, json=body, timeout=wait)
     if response.status_code >= 400:
         check_openai_error(response)
     return response

@@ -28,6 +28,9 @@ from benchmarks.hostile_inputs import head_only, raw_post
 LONG_PROMPT_WORDS = 3000  # ~3,000 tokens: scoring them with top 20 once stalled every stream for ~30 s
 WORDS = ["the", "a", "cat", "sat", "on", "mat", "and", "then", "it", "ran", "far", "away", "to", "find", "tea"]
 BODY_WAIT = 60.0  # seconds an attacker waits for the body timeout's 408 (the server's is 10 s)
+# Seconds a scoring attacker waits: ~200 steps of a small budget on a busy shared CPU, beside other scoring attacks
+# (its cost against a prefill's is benchmarks/scoring.py's figure; the soak looks at the others' streams).
+SCORING_WAIT = 600.0
 
 
 async def huge_top_k(target: Target, rng: random.Random) -> int:
@@ -134,7 +137,7 @@ def long_prompt(rng: random.Random) -> str:
 
 async def long_prompt_logprobs(target: Target, rng: random.Random) -> int:
     body = {"model": target.model, "prompt": long_prompt(rng), "max_tokens": 1, "prompt_logprobs": 20}
-    response = await post(target, COMPLETIONS, body)
+    response = await post(target, COMPLETIONS, body, SCORING_WAIT)
     if response.status_code == 200 and len(response.json()["choices"][0]["prompt_logprobs"]) < LONG_PROMPT_WORDS:
         raise Unplanned("fewer prompt logprobs than prompt tokens")
     return response.status_code
@@ -142,7 +145,7 @@ async def long_prompt_logprobs(target: Target, rng: random.Random) -> int:
 
 async def long_echo_logprobs(target: Target, rng: random.Random) -> int:
     body = {"model": target.model, "prompt": long_prompt(rng), "max_tokens": 1, "echo": True, "logprobs": 20}
-    response = await post(target, COMPLETIONS, body)
+    response = await post(target, COMPLETIONS, body, SCORING_WAIT)
     if response.status_code == 200 and len(response.json()["choices"][0]["logprobs"]["tokens"]) < LONG_PROMPT_WORDS:
         raise Unplanned("fewer echoed tokens than prompt tokens")
     return response.status_code

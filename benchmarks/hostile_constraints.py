@@ -11,7 +11,17 @@ import re
 
 import httpx
 
-from benchmarks.attack_kit import CHAT, RESPONSES, Attack, Target, Unplanned, chat_body, planned, post
+from benchmarks.attack_kit import (
+    CHAT,
+    RESPONSES,
+    Attack,
+    Target,
+    Unplanned,
+    chat_body,
+    check_openai_error,
+    planned,
+    post,
+)
 from benchmarks.hostile_inputs import (
     ENDLESS_LIST,
     SELF_LOOP,
@@ -35,12 +45,15 @@ RULE_CHAIN = chained_rules_grammar()
 PATTERNED = many_patterned_properties()
 
 
-def refused_saying(response: httpx.Response, *words: str) -> int:
-    """The status; a 400 must say each of `words` (what the refusal is about, not any 400)."""
+def refused_saying(response: httpx.Response, *words: str, param: str | None = None) -> int:
+    """The status; a 400 must say each of `words` (what the refusal is about, not any 400) and, given `param`,
+    name that field (a compile error once named none)."""
     if response.status_code == 400:
-        message = response.json()["error"]["message"]
-        if not all(word in message for word in words):
-            raise Unplanned(f"400 not about {words}: {message[:200]}")
+        error = response.json()["error"]
+        if not all(word in error["message"] for word in words):
+            raise Unplanned(f"400 not about {words}: {error['message'][:200]}")
+        if param is not None and error["param"] != param:
+            raise Unplanned(f"400 naming {error['param']!r}, not {param!r}: {error['message'][:200]}")
     return response.status_code
 
 
@@ -60,13 +73,18 @@ def respond_body(model: str, **fields: object) -> dict:
 
 
 async def ref_chain(target: Target, rng: random.Random) -> int:
-    response = await post(target, CHAT, chat_body(target.model, response_format=response_format(REF_CHAIN)))
-    return refused_saying(response, "too complex")
+    """In chat's response_format, or /v1/responses' text.format."""
+    if rng.random() < 0.5:
+        response = await post(target, CHAT, chat_body(target.model, response_format=response_format(REF_CHAIN)))
+        return refused_saying(response, "too complex", param="response_format")
+    text = {"format": {"type": "json_schema", "name": "x", "schema": REF_CHAIN}}
+    response = await post(target, RESPONSES, respond_body(target.model, text=text))
+    return refused_saying(response, "too complex", param="text.format")
 
 
 async def rule_chain(target: Target, rng: random.Random) -> int:
     body = chat_body(target.model, structured_outputs={"grammar": RULE_CHAIN})
-    return refused_saying(await post(target, CHAT, body), "too complex")
+    return refused_saying(await post(target, CHAT, body), "too complex", param="structured_outputs.grammar")
 
 
 async def ref_chain_in_a_forced_tool(target: Target, rng: random.Random) -> int:
@@ -89,29 +107,63 @@ async def fresh_alternatives(target: Target, rng: random.Random) -> int:
         temperature=rng.choice(TEMPERATURES),
         max_tokens=8,
     )
-    response = await post(target, CHAT, body)
-    if response.status_code == 200:
-        choice = response.json()["choices"][0]
-        text = choice["message"]["content"] or ""
+    status, text, finish_reason = await chat_text(target, body, stream=rng.random() < 0.5)
+    if status == 200:
         whole = re.fullmatch(r"w\d{5}x", text) or text == f"{salt}y"
         begun = re.fullmatch(r"w\d{0,5}", text) or f"{salt}y".startswith(text)
-        if not (whole if choice["finish_reason"] == "stop" else whole or begun):
-            raise Unplanned(f"output outside the grammar: {text!r} ({choice['finish_reason']})")
-    return response.status_code
+        if not (whole if finish_reason == "stop" else whole or begun):
+            raise Unplanned(f"output outside the grammar: {text!r} ({finish_reason})")
+    return status
 
 
 async def patterned_properties(target: Target, rng: random.Random) -> int:
-    """3,000 properties with a 2^13-state pattern each: compiles, and must generate valid output."""
-    body = chat_body(
-        target.model, response_format=response_format(PATTERNED), temperature=rng.choice(TEMPERATURES), max_tokens=24
-    )
-    response = await post(target, CHAT, body)
-    if response.status_code == 200:
+    """3,000 properties with a 2^13-state pattern each: compiles, and must generate valid output, in chat
+    (streamed or not) and /v1/responses."""
+    temperature = rng.choice(TEMPERATURES)
+    if rng.random() < 1 / 3:
+        text_format = {"format": {"type": "json_schema", "name": "x", "schema": PATTERNED}}
+        body = respond_body(target.model, text=text_format, temperature=temperature, max_output_tokens=24)
+        response = await post(target, RESPONSES, body)
+        if response.status_code == 200 and response.json()["status"] == "completed":
+            text = "".join(part["text"] for item in response.json()["output"] for part in item.get("content", []))
+            _check_json_object(text)
+        return response.status_code
+    body = chat_body(target.model, response_format=response_format(PATTERNED), temperature=temperature, max_tokens=24)
+    status, text, finish_reason = await chat_text(target, body, stream=rng.random() < 0.5)
+    if status == 200 and finish_reason == "stop":
+        _check_json_object(text)
+    return status
+
+
+def _check_json_object(text: str) -> None:
+    if not isinstance(_json_or_none(text), dict):
+        raise Unplanned(f"stopped with output that is no JSON object: {text!r}")
+
+
+async def chat_text(target: Target, body: dict, stream: bool) -> tuple[int, str, str | None]:
+    """A chat completion's status, its text and finish reason, asked for whole or streamed."""
+    if not stream:
+        response = await post(target, CHAT, body)
+        if response.status_code != 200:
+            return response.status_code, "", None
         choice = response.json()["choices"][0]
-        text = choice["message"]["content"] or ""
-        if choice["finish_reason"] == "stop" and not isinstance(_json_or_none(text), dict):
-            raise Unplanned(f"stopped with output that is no JSON object: {text!r}")
-    return response.status_code
+        return 200, choice["message"]["content"] or "", choice["finish_reason"]
+    pieces, finish_reason = [], None
+    async with target.client.stream("POST", CHAT, json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            await response.aread()
+            check_openai_error(response)
+            return response.status_code, "", None
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if "error" in event:
+                raise Unplanned(f"a stream that failed after it began: {event['error']}")
+            for choice in event["choices"]:
+                pieces.append(choice["delta"].get("content") or "")
+                finish_reason = choice.get("finish_reason") or finish_reason
+    return 200, "".join(pieces), finish_reason
 
 
 def _json_or_none(text: str) -> object:
@@ -125,8 +177,12 @@ def _json_or_none(text: str) -> object:
 
 
 async def deep_tool_parameters(target: Target, rng: random.Random) -> int:
-    body = chat_body(target.model, tools=[tool("deep", nested(250))], tool_choice=forced(rng, "deep"))
-    return refused_saying(await post(target, CHAT, body), "levels")
+    if rng.random() < 0.5:
+        body = chat_body(target.model, tools=[tool("deep", nested(250))], tool_choice=forced(rng, "deep"))
+        return refused_saying(await post(target, CHAT, body), "levels", param="tools.0.function.parameters")
+    tools = [{"type": "function", "name": "deep", "parameters": nested(250)}]
+    body = respond_body(target.model, tools=tools, tool_choice="required")
+    return refused_saying(await post(target, RESPONSES, body), "levels", param="tools.0.parameters")
 
 
 async def defs_under_required(target: Target, rng: random.Random) -> int:
@@ -183,10 +239,11 @@ async def undeclared_tool_call(target: Target, rng: random.Random) -> int:
 async def self_referencing_schema(target: Target, rng: random.Random) -> int:
     schema = rng.choice([SELF_LOOP, TWO_STEP_LOOP, ENDLESS_LIST])
     if rng.random() < 0.5:
-        body = chat_body(target.model, response_format=response_format(schema))
+        body, param = chat_body(target.model, response_format=response_format(schema)), "response_format"
     else:
         body = chat_body(target.model, tools=[tool("loop", schema)], tool_choice="required")
-    return refused_saying(await post(target, CHAT, body), "finite")
+        param = "tools.0.function.parameters"
+    return refused_saying(await post(target, CHAT, body), "finite", param=param)
 
 
 # ---- OpenAI-shaped refusals on /v1/responses and chat -----------------------------------------------------------

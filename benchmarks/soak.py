@@ -1,17 +1,20 @@
 """Soak: minutes of mixed traffic with clients that hang up at random or attack, then what it left behind.
 
-Starts a server with an API key on 127.0.0.1 in this process and runs concurrent clients against it: mostly
+Starts `pagedserve serve` with an API key on 127.0.0.1 as a process of its own (benchmarks/soak_server.py: the
+clients' work never holds the server's interpreter, nor the other way round) and runs concurrent clients against
+it from this process: mostly
 streaming completions and chats of random lengths, some with n=2, some with a short queue `timeout`; a share of
 the requests hang up at a random point; a share are attacks (benchmarks/hostile.py), each planned to get a given
 answer, sent in every other half-minute; a share are innocent probes, greedy completions whose text must equal
 what they gave alone before the traffic began. It reports unplanned 5xx answers, every other failure (answers
 neither complete nor a clean error, attacks answered otherwise than planned), changed probes, the innocent
 streams' largest wait between two chunks while attacks were in flight (and, as a control, while none was), and
-once the traffic stops: lost KV blocks (referenced with nothing running), leaked queue places (held with nothing
-waiting) and the RSS growth after warm-up of the server and engine processes.
+once the traffic stops, read from /metrics: lost KV blocks (referenced with nothing running), leaked queue places
+(held with nothing waiting), and the RSS growth after warm-up of the server and engine processes. The machine's
+load average is printed beside the gaps.
 
     python -m benchmarks.soak [--minutes 10] [--clients 16] [--hang-up-share 0.33] [--hostile-share 0.2]
-                              [any engine flag]
+                              [--server-log PATH] [any `pagedserve serve` flag]
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import psutil
@@ -32,11 +37,7 @@ import psutil
 from benchmarks.attack_kit import Attack, Target, Unplanned
 from benchmarks.hostile import ATTACKS
 from benchmarks.soak_report import SoakReport
-from pagedserve.engine import QueueFullError
-from pagedserve.engine.client.async_engine import AsyncEngine
-from pagedserve.server import ServerSettings
-from pagedserve.server.engine_args import add_engine_args, engine_config
-from tests.servers import serving
+from benchmarks.soak_server import Served, places_held, serve_process, wait_idle
 
 MODEL = "soak"
 API_KEY = "soak-key"
@@ -44,13 +45,17 @@ WORDS = ["the", "a", "cat", "sat", "on", "mat", "and", "then", "it", "ran", "far
 DELIBERATE = {"queue_full": 503, "queue_timeout": 503, "timeout": 408}  # shed load, or the client's own timeout
 BACKOFF_SECONDS = (0.2, 1.0)  # after a deliberate 503 or 408, like a client honouring Retry-After
 IDLE_TIMEOUT = 60.0  # seconds for the engine to settle once traffic stops
+PLACES_SETTLE_SECONDS = 15.0  # a body timeout's 408 (10 s) may still be due when the traffic stops
+LOAD_SAMPLE_SECONDS = 10.0
 PROBES = ("The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are")
 PROBE_SHARE = 0.1
 # Engine flags the soak defaults to, for the small shared CPU machine it runs on (any flag overrides them): a step of
-# 2,048 prompt tokens takes seconds on a CPU, longer than the gap limit; and two intra-op threads, which meet at a
-# barrier in every layer, stall whenever either loses its core to other work (on a busy 2-core machine: 247 of
-# 1,711 gaps over 1 s with two threads, 1 of 2,824 with one, no attacks at all).
-MACHINE_DEFAULTS = {"max_num_batched_tokens": 64, "num_threads": 1}
+# 2,048 prompt tokens takes seconds on a CPU, longer than the gap limit, and so, on a busy 2-core machine (load 5),
+# does one of 64 beside a 3,000-token prompt (median 0.75 s, longest 1.25 s; 32 tokens: 0.30 s, 0.50 s), which a
+# stream decoding beside it waits for; and two intra-op threads, which meet at a barrier in every layer, stall
+# whenever either loses its core to other work (247 of 1,711 gaps over 1 s with two threads, 1 of 2,824 with one,
+# no attacks at all).
+MACHINE_DEFAULTS = {"--max-num-batched-tokens": "32", "--num-threads": "1"}
 # Attacks are sent in every other half-minute: the innocent streams' gaps while none is in flight are the control,
 # measured in the same run, on the same (possibly busy) machine.
 ATTACK_PHASE_SECONDS = 30.0
@@ -209,36 +214,8 @@ def probe_texts(url: str, api_key: str | None) -> dict[str, str]:
         return {p: client.post("/v1/completions", json=probe_body(p)).json()["choices"][0]["text"] for p in PROBES}
 
 
-def wait_idle(engine: AsyncEngine, timeout: float = IDLE_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while engine.snapshot().num_unfinished and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.1)  # the engine thread publishes its snapshot after the last delta
-
-
-def free_queue_places(engine: AsyncEngine, settle: float = 10.0) -> int:
-    """How many queue places a new request could reserve now. A place comes back just after its answer is sent
-    (and a body timeout's 408 may still be due): polled until it stops rising, for up to `settle` seconds."""
-    deadline, best = time.monotonic() + settle, -1
-    while (free := _count_free_places(engine)) > best and time.monotonic() < deadline:
-        best = free
-        time.sleep(0.5)
-    return max(best, free)
-
-
-def _count_free_places(engine: AsyncEngine) -> int:
-    held = []
-    with contextlib.suppress(QueueFullError):
-        while (reservation := engine.reserve_place()) is not None:
-            held.append(reservation)
-    for reservation in held:
-        reservation.release()
-    return len(held)
-
-
 def soak(
-    url: str,
-    engine: AsyncEngine,
+    served: Served,
     seconds: float,
     clients: int = 16,
     hang_up_share: float = 1 / 3,
@@ -250,8 +227,8 @@ def soak(
     """Runs the traffic for `seconds` (the first fifth is warm-up), waits for the engine to settle, reports.
     `api_key`: the server's, which the clients send (an attack sends it twice)."""
     report = SoakReport(attack_kinds=[kind.name for kind in attacks])
-    processes = [psutil.Process(), *([psutil.Process(engine.info.pid)] if engine.info.pid != os.getpid() else [])]
-    texts, places_before = probe_texts(url, api_key), free_queue_places(engine)
+    url = served.url
+    texts = probe_texts(url, api_key)
     traffic = Traffic(hang_up_share, hostile_share, texts, api_key, attacks)
     start = traffic.start
 
@@ -260,58 +237,74 @@ def soak(
         deadline = start + seconds
         loops = [client_loop(url, seed * 1000 + i, deadline, traffic, report) for i in range(clients)]
         tasks = [asyncio.ensure_future(loop) for loop in loops]
+        load = asyncio.ensure_future(sample_load(deadline, report))
         await asyncio.sleep(seconds / 5)
-        rss = resident_bytes(processes)
-        await asyncio.gather(*tasks)
+        rss = resident_bytes(served.processes())
+        await asyncio.gather(*tasks, load)
         return rss
 
     rss_after_warm_up = asyncio.run(run())
     report.seconds = time.monotonic() - start
-    wait_idle(engine)
-    snapshot = engine.snapshot()
-    report.running_after = snapshot.num_unfinished
-    report.kv_usage_after = snapshot.kv_cache_usage
-    report.lost_blocks = engine.info.num_kv_blocks - snapshot.num_free_blocks
-    report.leaked_places = places_before - free_queue_places(engine)
-    report.rss_growth_mb = (resident_bytes(processes) - rss_after_warm_up) / 2**20
+    gauges = wait_idle(served, IDLE_TIMEOUT)
+    report.running_after = int(gauges["num_requests_running"] + gauges["num_requests_waiting"])
+    report.kv_usage_after = gauges["kv_cache_usage_perc"]
+    report.lost_blocks = int(gauges["num_kv_blocks"] - gauges["num_free_kv_blocks"])
+    report.leaked_places = places_held(served, PLACES_SETTLE_SECONDS)
+    report.rss_growth_mb = (resident_bytes(served.processes()) - rss_after_warm_up) / 2**20
     return report
 
 
+async def sample_load(deadline: float, report: SoakReport) -> None:
+    """The machine's 1-minute load average every few seconds: gaps on a shared machine are read beside it."""
+    while time.monotonic() < deadline:
+        report.load_averages.append(os.getloadavg()[0])
+        await asyncio.sleep(min(LOAD_SAMPLE_SECONDS, max(0.0, deadline - time.monotonic())))
+
+
 def resident_bytes(processes: list[psutil.Process]) -> int:
-    return sum(process.memory_info().rss for process in processes)
+    total = 0
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):  # a compile sandbox may have exited meanwhile
+            total += process.memory_info().rss
+    return total
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--hang-up-share", type=float, default=1 / 3)
     parser.add_argument("--hostile-share", type=float, default=0.2, help="share of requests that are attacks")
     parser.add_argument("--traffic-seed", type=int, default=0, help="the clients' random choices")
     parser.add_argument("--attacks", nargs="*", metavar="TEXT", help="only the attacks whose names hold a TEXT")
-    add_engine_args(parser)
-    parser.set_defaults(**MACHINE_DEFAULTS)
-    args = parser.parse_args()
-    engine = AsyncEngine.from_config(engine_config(args)).start()
-    if not engine.wait_ready():
-        sys.exit(f"the engine failed to load: {engine.unavailable_reason()}")
-    try:
-        with serving(engine, ServerSettings([MODEL], api_key=API_KEY)) as url:  # `pagedserve serve`'s protocol
+    parser.add_argument("--server-log", type=Path, help="where the server's log goes (default: a temporary file)")
+    args, serve_flags = parser.parse_known_args()
+    attacks = tuple(a for a in ATTACKS if not args.attacks or any(text in a.name for text in args.attacks))
+    with tempfile.TemporaryDirectory() as scratch:
+        log = args.server_log or Path(scratch) / "serve.log"
+        print(f"load average before: {' '.join(f'{load:.2f}' for load in os.getloadavg())}", flush=True)
+        with serve_process(with_machine_defaults(serve_flags), MODEL, API_KEY, log) as served:
             report = soak(
-                url,
-                engine,
+                served,
                 args.minutes * 60,
                 args.clients,
                 args.hang_up_share,
                 args.traffic_seed,
                 args.hostile_share,
                 API_KEY,
-                tuple(a for a in ATTACKS if not args.attacks or any(text in a.name for text in args.attacks)),
+                attacks,
             )
-    finally:
-        engine.shutdown()
     print("\n".join(report.lines()))
     sys.exit(0 if report.passed() else 1)
+
+
+def with_machine_defaults(serve_flags: list[str]) -> list[str]:
+    """`serve_flags` (any `pagedserve serve` flag), after the soak's defaults for the flags they do not give."""
+    given = {flag.split("=", 1)[0] for flag in serve_flags if flag.startswith("--")}
+    defaults = [item for flag, value in MACHINE_DEFAULTS.items() if flag not in given for item in (flag, value)]
+    return [*defaults, *serve_flags]
 
 
 if __name__ == "__main__":

@@ -75,6 +75,11 @@ class SoakReport:
     lost_blocks: int = 0  # referenced with no request left
     leaked_places: int = 0  # queue places held with no request left
     rss_growth_mb: float = 0.0  # from the end of warm-up to the end
+    load_averages: list[float] = field(default_factory=list)  # the machine's 1-minute load, sampled during the run
+
+    def _load_range(self) -> str:
+        loads = self.load_averages
+        return f"{min(loads):.2f}-{max(loads):.2f}, mean {sum(loads) / len(loads):.2f}" if loads else "not sampled"
 
     def passed(self) -> bool:
         clean = not (self.failures or self.lost_blocks or self.leaked_places or self.running_after)
@@ -95,6 +100,8 @@ class SoakReport:
             f"{len(self.failures)}",
             *(f"  {failure}" for failure in self.failures[:10]),
             *self.gaps.lines(),
+            f"machine load during the run (1-minute load average, {len(self.load_averages)} samples): "
+            f"{self._load_range()}",
             f"after: {self.running_after} requests unfinished, KV usage {self.kv_usage_after:.3f}, "
             f"{self.lost_blocks} lost KV blocks, {self.leaked_places} leaked queue places",
             f"RSS growth after warm-up (server + engine core): {self.rss_growth_mb:+.1f} MB",

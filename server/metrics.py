@@ -107,6 +107,8 @@ class _EngineCollector(Collector):
         (GaugeMetricFamily, "num_requests_running", "Sequences running.", "num_running"),
         (GaugeMetricFamily, "num_requests_waiting", "Sequences waiting.", "num_waiting"),
         (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", "kv_cache_usage"),
+        (GaugeMetricFamily, "num_kv_blocks", "KV cache blocks in all.", "num_kv_blocks"),
+        (GaugeMetricFamily, "num_free_kv_blocks", "KV blocks free, or cached with no reference.", "num_free_blocks"),
         (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up.", "prefix_cache_queries"),
         (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found cached.", "prefix_cache_hits"),
         (CounterMetricFamily, "num_preemptions", "Preemptions.", "num_preemptions"),
@@ -162,6 +164,7 @@ class _EngineCollector(Collector):
             family = kind(PREFIX + name, doc, labels=["model_name"])
             family.add_metric(self._labels, getattr(snapshot, field))
             yield family
+        yield self._queue_places()
         per_position = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Proposed tokens accepted, by their position in the proposal (0 first).",
@@ -170,3 +173,13 @@ class _EngineCollector(Collector):
         for position, count in enumerate(snapshot.spec_decode_num_accepted_tokens_per_pos or ()):
             per_position.add_metric([*self._labels, str(position)], count)
         yield per_position
+
+    def _queue_places(self) -> Metric:
+        """Read on the API side, where places are reserved: with no request left, none is held (else a leak)."""
+        family = GaugeMetricFamily(
+            PREFIX + "num_queue_places_held",
+            "Waiting-queue places held: sequences not yet scheduled, and requests admitted but not yet submitted.",
+            labels=["model_name"],
+        )
+        family.add_metric(self._labels, self._engine.queue_places_held())
+        return family

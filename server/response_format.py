@@ -149,7 +149,9 @@ CONSTRAINT_FIELDS = (
     "json_schema",
     "grammar",
 )
-_COMPILE_ERROR = re.compile(r"^invalid \w+ constraint: ")  # the engine's grammar compiler's messages
+# The engine's grammar compiler's messages: a constraint it cannot read, or one too complex to compile (it crashed
+# or outran the compiler's limits).
+_COMPILE_ERROR = re.compile(r"^(invalid \w+ constraint: |the \w+ constraint is too complex: )")
 
 
 def constraint_field(body: BaseModel) -> str | None:

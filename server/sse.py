@@ -85,14 +85,21 @@ async def sse_events(
             chunk.usage = record.usage()  # type: ignore[attr-defined]  # chat and completions chunks have usage
         return {"data": chunk.model_dump_json(exclude=exclude)}
 
+    async def on_delta_events(choice: int, delta: SequenceDelta) -> list[Event]:
+        if delta.prompt_logprobs is None:
+            return [event(chunk) for chunk in formatter.on_delta(choice, delta)]
+        # A whole prompt's logprobs (thousands of tokens, each with its top k): formatted on a worker thread,
+        # for the reason server/answers.py gives.
+        return await asyncio.to_thread(lambda: [event(chunk) for chunk in formatter.on_delta(choice, delta)])
+
     for chunk in formatter.opening():
         yield event(chunk)
     with failure_recorded(record) as failure:
         async with contextlib.aclosing(recorded(streams, record)) as deltas:
             async for prompt_index, delta in deltas:
                 choice = prompt_index * n + delta.index
-                for chunk in formatter.on_delta(choice, delta):
-                    yield event(chunk)
+                for formatted in await on_delta_events(choice, delta):
+                    yield formatted
                 if delta.finish_reason is not None:
                     for chunk in formatter.on_finish(choice, delta.finish_reason):
                         yield event(chunk)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, create_app
 from pagedserve.server.door import Door
 from pagedserve.server.http_protocol import guarded_protocol
-from pagedserve.server.settings import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
+from pagedserve.server.settings import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 from tests.background import BackgroundServer
 
 
@@ -33,11 +35,21 @@ def running_engine(config: EngineConfig, loaded: LoadedModel) -> Iterator[AsyncE
         engine.shutdown()
 
 
+@dataclass(frozen=True)
+class Limits:
+    """The connection limits of `pagedserve serve`'s protocol (its flags' defaults unless a test needs others)."""
+
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+
+
 @contextlib.contextmanager
-def serving(engine: AsyncEngine, settings: ServerSettings) -> Iterator[str]:
+def serving(engine: AsyncEngine, settings: ServerSettings, limits: Limits = Limits()) -> Iterator[str]:
     """The base URL of a uvicorn server on 127.0.0.1 in front of `engine`, with `pagedserve serve`'s protocol."""
     app = create_app(engine, settings)
-    protocol = guarded_protocol(DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Door(app.state.serving))
+    door = Door(app.state.serving)
+    protocol = guarded_protocol(limits.header_timeout, limits.max_connections, door, limits.body_timeout)
     with BackgroundServer(app, http=protocol) as server:
         yield server.url
 
@@ -49,9 +61,12 @@ def served_engine(config: EngineConfig, loaded: LoadedModel, settings: ServerSet
         yield url
 
 
-def engine_and_url(config: EngineConfig, settings: ServerSettings, loaded: str = "smol_loaded") -> tuple[Any, Any]:
+def engine_and_url(
+    config: EngineConfig, settings: ServerSettings, loaded: str = "smol_loaded", limits: Limits = Limits()
+) -> tuple[Any, Any]:
     """A test module's `engine` fixture (an AsyncEngine on the session's model fixture named `loaded`) and `url`
-    fixture (a server in front of it, the base URL), one per module: `engine, url = engine_and_url(...)`."""
+    fixture (a server in front of it, with these connection limits, the base URL), one per module:
+    `engine, url = engine_and_url(...)`."""
 
     @pytest.fixture(scope="module")
     def engine(request: pytest.FixtureRequest) -> Iterator[AsyncEngine]:
@@ -60,7 +75,7 @@ def engine_and_url(config: EngineConfig, settings: ServerSettings, loaded: str =
 
     @pytest.fixture(scope="module")
     def url(engine: AsyncEngine) -> Iterator[str]:
-        with serving(engine, settings) as url:
+        with serving(engine, settings, limits) as url:
             yield url
 
     return engine, url
@@ -87,12 +102,18 @@ def wait_ready(process: subprocess.Popen, url: str, timeout: float) -> bool:
 
 
 @contextlib.contextmanager
-def server_process(command: list[str], url: str, log: Path, startup_seconds: float) -> Iterator[subprocess.Popen]:
+def server_process(
+    command: list[str], url: str, log: Path, startup_seconds: float, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
     """`command` (a `pagedserve serve`) in a process of its own, logging to `log`, once `url` is ready; terminated
-    (killed if it will not stop) on the way out."""
+    (killed if it will not stop) on the way out. `env`: variables added to this process's environment."""
     with log.open("w") as sink:
         process = subprocess.Popen(
-            command, cwd=Path(__file__).resolve().parents[1], stdout=sink, stderr=subprocess.STDOUT
+            command,
+            cwd=Path(__file__).resolve().parents[1],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env},
         )
     try:
         if not wait_ready(process, url, startup_seconds):

@@ -385,6 +385,9 @@ def test_known_metrics_are_what_the_server_exports() -> None:
         def snapshot(self) -> ZeroSnapshot:
             return ZeroSnapshot()
 
+        def queue_places_held(self) -> int:
+            return 0
+
     metrics = ServerMetrics(StubEngine(), "test-model")  # type: ignore[arg-type]
     families = {f.name: f.type for f in text_string_to_metric_families(metrics.render().decode())}
     suffixes = {"gauge": ("",), "counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}

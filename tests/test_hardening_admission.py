@@ -21,13 +21,12 @@ from benchmarks.hostile_inputs import head_only, raw_post
 from pagedserve.engine import EngineConfig, QueueFullError
 from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.engine.client.async_stream import Reservation
-from pagedserve.engine.worker.model_loader import LoadedModel
 from pagedserve.server import ServerSettings, cli, create_app
 from pagedserve.server.door import Door
 from pagedserve.server.http_protocol import guarded_protocol
 from tests.background import BackgroundServer
 from tests.raw_http import RawResponse, connect, http_series, read_response, request_bytes
-from tests.servers import running_engine
+from tests.servers import Limits, engine_and_url, serving
 
 MODEL = "tiny"
 KEY = "s3cret"
@@ -40,29 +39,13 @@ BODY_TIMEOUT = 1.0
 SLACK = 3.0  # seconds: a busy 2-core machine runs the server's timers late
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    with running_engine(CONFIG, tiny_llama_loaded) as engine:
-        yield engine
-
-
-@contextlib.contextmanager
-def server(engine: AsyncEngine, settings: ServerSettings) -> Iterator[str]:
-    app = create_app(engine, settings)
-    protocol = guarded_protocol(HEADER_TIMEOUT, 64, Door(app.state.serving), body_timeout=BODY_TIMEOUT)
-    with BackgroundServer(app, http=protocol) as background:
-        yield background.url
-
-
-@pytest.fixture(scope="module")
-def url(engine: AsyncEngine) -> Iterator[str]:
-    with server(engine, ServerSettings([MODEL])) as url:
-        yield url
+LIMITS = Limits(header_timeout=HEADER_TIMEOUT, max_connections=64, body_timeout=BODY_TIMEOUT)
+engine, url = engine_and_url(CONFIG, ServerSettings([MODEL]), loaded="tiny_llama_loaded", limits=LIMITS)
 
 
 @pytest.fixture(scope="module")
 def secured_url(engine: AsyncEngine) -> Iterator[str]:
-    with server(engine, ServerSettings([MODEL], api_key=KEY)) as url:
+    with serving(engine, ServerSettings([MODEL], api_key=KEY), LIMITS) as url:
         yield url
 
 

@@ -20,6 +20,8 @@ from benchmarks.hostile_inputs import (
     TWO_STEP_LOOP,
     WEATHER,
     WEATHER_DEFS,
+    chained_refs_schema,
+    chained_rules_grammar,
     hermes_call,
     nested,
     tool,
@@ -278,6 +280,15 @@ def test_responses_compile_errors_name_their_field(url: str) -> None:
     bad_tool = {"type": "function", "name": "f", "parameters": {"minimum": "a"}}
     choice = {"type": "function", "name": "f"}
     assert_error(respond(url, tools=[bad_tool], tool_choice=choice), 400, "invalid_value", "tools.0.parameters")
+
+
+def test_constraints_too_complex_to_compile_name_their_field(url: str) -> None:
+    """A constraint that crashes the compiler is refused as too complex: that refusal names its field too."""
+    rules = chat(url, structured_outputs={"grammar": chained_rules_grammar()})
+    assert "too complex" in assert_error(rules, 400, "invalid_value", "structured_outputs.grammar")
+    text_format = {"type": "json_schema", "name": "x", "schema": chained_refs_schema()}
+    refs = respond(url, text={"format": text_format})
+    assert "too complex" in assert_error(refs, 400, "invalid_value", "text.format")
 
 
 def test_responses_bad_tool_name_gets_an_openai_message(url: str) -> None:

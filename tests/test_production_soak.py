@@ -12,33 +12,31 @@ on purpose, and a preempted stream waits.)
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from benchmarks.hostile import ATTACKS
 from benchmarks.soak import API_KEY, MODEL, soak
-from pagedserve.engine import EngineConfig
-from pagedserve.engine.client.async_engine import AsyncEngine
-from pagedserve.engine.worker.model_loader import LoadedModel
-from pagedserve.server import ServerSettings
-from tests.servers import running_engine, serving
+from benchmarks.soak_server import Served, serve_process
 
 SECONDS = 30
 RSS_GROWTH_LIMIT_MB = 100  # after warm-up; a leak per request would pass it within seconds
 # Small enough that queues fill (503s) and blocks run short (preemption) under 16 clients.
-CONFIG = EngineConfig(num_kv_blocks=48, max_num_seqs=8, max_queue_len=12)
+FLAGS = ["--num-kv-blocks", "48", "--max-num-seqs", "8", "--max-queue-len", "12", "--num-threads", "1"]
 
 
 @pytest.fixture(scope="module")
-def engine(smol_loaded: LoadedModel) -> Iterator[AsyncEngine]:
-    with running_engine(CONFIG, smol_loaded) as engine:
-        yield engine
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """`pagedserve serve` on the embedded model, in a process of its own, as the long soak runs it."""
+    log: Path = tmp_path_factory.mktemp("soak") / "serve.log"
+    with serve_process(FLAGS, MODEL, API_KEY, log) as served:
+        yield served
 
 
-def test_soak_leaves_nothing_behind(engine: AsyncEngine) -> None:
+def test_soak_leaves_nothing_behind(served: Served) -> None:
     light = tuple(attack for attack in ATTACKS if not attack.heavy)
-    with serving(engine, ServerSettings([MODEL], api_key=API_KEY)) as url:
-        report = soak(url, engine, SECONDS, clients=16, seed=1, hostile_share=0.2, api_key=API_KEY, attacks=light)
+    report = soak(served, SECONDS, clients=16, seed=1, hostile_share=0.2, api_key=API_KEY, attacks=light)
     summary = "\n".join(report.lines())
     print(summary)
     assert report.completed > 20 and report.hung_up > 10 and report.probes > 2, summary

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.hostile_inputs import head_only
 from pagedserve.engine import EngineConfig
 from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.server import ServerSettings
@@ -47,10 +49,15 @@ def wait_until_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
-def assert_all_blocks_free(engine: AsyncEngine) -> None:
-    snapshot = engine.snapshot()  # read while idle: every block is free, or cached with no reference
+def assert_all_blocks_free(engine: AsyncEngine, url: str) -> None:
+    """Read while idle: every block is free, or cached with no reference, and no queue place is held; /metrics
+    says so too (what the soak reads from a server in another process)."""
+    snapshot = engine.snapshot()
     assert snapshot.num_free_blocks == engine.info.num_kv_blocks
     assert snapshot.kv_cache_usage == 0.0
+    gauges = metrics(url)
+    assert gauges["pagedserve:num_free_kv_blocks"] == gauges["pagedserve:num_kv_blocks"] == engine.info.num_kv_blocks
+    assert gauges["pagedserve:num_queue_places_held"] == 0
 
 
 async def read_stream(client: httpx.AsyncClient, i: int, hang_up_after: int | None) -> list[str]:
@@ -80,7 +87,7 @@ def test_concurrent_streams_with_a_third_hanging_up(url: str, engine: AsyncEngin
         assert (data[-1] == "[DONE]") != (i in hang_ups)
     after = wait_until_idle(url)
     assert after["pagedserve:kv_cache_usage_perc"] == 0.0
-    assert_all_blocks_free(engine)
+    assert_all_blocks_free(engine, url)
 
     def grew(name: str) -> float:
         return after.get(name, 0) - before.get(name, 0)
@@ -103,11 +110,31 @@ def test_closing_the_socket_mid_stream_aborts_the_request(url: str, engine: Asyn
     after = wait_until_idle(url)
     assert time.monotonic() - started < 10, "the request ran on instead of being aborted"
     assert after["pagedserve:kv_cache_usage_perc"] == 0.0
-    assert_all_blocks_free(engine)
+    assert_all_blocks_free(engine, url)
 
 
 def test_hanging_up_on_a_non_streaming_request_aborts_it(url: str, engine: AsyncEngine) -> None:
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=body(1, max_tokens=400, stream=False), timeout=1.0)
     wait_until_idle(url, timeout=10)
-    assert_all_blocks_free(engine)
+    assert_all_blocks_free(engine, url)
+
+
+def test_metrics_count_the_queue_place_a_request_holds_while_its_body_is_awaited(url: str) -> None:
+    """The door reserves a place once the headers are in; the place comes back when the client leaves."""
+    host, port = url.removeprefix("http://").split(":")
+
+    def held() -> float:
+        return metrics(url)["pagedserve:num_queue_places_held"]
+
+    def wait_for(value: float) -> None:
+        deadline = time.monotonic() + 10
+        while held() != value:
+            assert time.monotonic() < deadline, f"{held()} places held, expected {value}"
+            time.sleep(0.05)
+
+    assert held() == 0
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head_only("/v1/completions", content_length=100))
+        wait_for(1)
+    wait_for(0)

@@ -330,6 +330,9 @@ def test_metrics_export_the_counters_as_vllm_names_them() -> None:
                 spec_decode_num_accepted_tokens_per_pos=(3, 2, 0),
             )
 
+        def queue_places_held(self) -> int:
+            return 0
+
     text = ServerMetrics(Engine(), "m").render().decode()  # type: ignore[arg-type]
     assert 'pagedserve:spec_decode_num_draft_tokens_total{model_name="m"} 9.0' in text
     assert 'pagedserve:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in text

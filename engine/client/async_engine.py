@@ -191,6 +191,10 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
 
+    def queue_places_held(self) -> int:
+        """Sequences waiting to be scheduled, and places reserved for requests not yet submitted."""
+        return self._queue_places.held
+
     def reserve_place(self) -> Reservation | None:
         """A place in the waiting queue held for a request before any work on it (a server reserves before
         parsing the body), or QueueFullError at once. Hand it to generate(), which takes it; release() it if

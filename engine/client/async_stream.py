@@ -125,6 +125,12 @@ class QueuePlaces:
         self._reserved = 0
         self._lock = threading.Lock()
 
+    @property
+    def held(self) -> int:
+        """Places reserved or taken now: with nothing waiting and nothing being submitted, 0."""
+        with self._lock:
+            return self._taken + self._reserved
+
     def reserve(self) -> Reservation:
         """One place held for a request about to be submitted; QueueFullError when none is left."""
         with self._lock:

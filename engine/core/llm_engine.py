@@ -187,6 +187,7 @@ class LLMEngine:
             queue_capacity=self.scheduler.queue_capacity(),
             kv_cache_usage=self.kv.usage(),
             num_free_blocks=self.kv.pool.num_free,
+            num_kv_blocks=self.kv.num_blocks,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,

@@ -83,6 +83,7 @@ class EngineSnapshot:
     queue_capacity: int = 0  # sequences that may still wait: max_queue_len plus the running batch's free seats
     kv_cache_usage: float = 0.0  # fraction of blocks referenced by requests (idle cached blocks excluded)
     num_free_blocks: int = 0  # free or cached with no reference: what new requests can take
+    num_kv_blocks: int = 0  # in all
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0  # tokens
     num_preemptions: int = 0

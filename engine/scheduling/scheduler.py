@@ -1,7 +1,7 @@
 """Continuous batching under one token budget per step (no prefill/decode phases).
 
 Every request has `num_computed_tokens` catching up with `num_tokens`. Each step serves the running
-requests first (decodes and unfinished prompt chunks), then admits waiting ones in arrival order while the
+requests first (decodes, then unfinished prompt chunks), then admits waiting ones in arrival order while the
 token budget, `max_num_seqs` and the KV cache allow. When a running request cannot get a block, the newest
 running request is preempted: its blocks are freed and it is recomputed later (from the prefix cache where
 its blocks survive).
@@ -13,10 +13,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedserve.engine.outputs import scored_positions
 from pagedserve.engine.scheduling.kv_cache_manager import KVCacheManager
 from pagedserve.engine.scheduling.parallel_sampling import PendingForks
 from pagedserve.engine.scheduling.request import Request, RequestStatus
+from pagedserve.engine.scheduling.token_budget import fit
 from pagedserve.engine.validation import QueueFullError
 
 
@@ -115,25 +115,37 @@ class Scheduler:
 
     def schedule(self, proposals: dict[str, list[int]] | None = None) -> SchedulerOutput:
         """`proposals`: guessed next tokens of decoding requests, verified this step where the token budget
-        and the KV cache have room for them (a guess never preempts anything: it is dropped instead)."""
+        and the KV cache have room for them (a guess never preempts anything: it is dropped instead).
+
+        Decoding requests go first, then the prompt chunks of running requests, then waiting requests: a long
+        prompt, however early it came, never takes the step's whole budget from the streams already decoding.
+        While a waiting request could take a seat, a running prompt's chunk leaves it half of what is left, so
+        a newcomer's first token does not wait for a long prompt to be computed whole either."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        costs: dict[str, int] = {}  # what each scheduled request took of the budget, refunded if it is preempted
+        for request in self._decoding_first():
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted this step, for an older request
             if self.kv.outgrew_short_rope(request):  # LongRoPE: recomputed with the long factors
-                self._requeue(self.running.pop(index))
+                self.running.remove(request)
+                self._requeue(request)
                 continue
             drafts = self._fit_drafts(request, (proposals or {}).get(request.request_id, []), budget)
             if drafts:
                 num_new = cost = 1 + len(drafts)
             else:
-                num_new, cost = _fit(request, request.num_computed_tokens, budget)
+                num_new, cost = fit(request, request.num_computed_tokens, self._chunk_budget(request, budget))
+                num_preempted = len(out.preempted)
                 if not self._allocate_or_preempt(request, num_new, out.preempted):
-                    break  # the request preempted itself: nothing after it is left running
+                    break  # the request preempted itself: every newer one is gone too
+                if len(out.preempted) > num_preempted:
+                    budget += _unschedule_preempted(out, costs)
             out.scheduled.append(ScheduledRequest(request, num_new, drafts))
+            costs[request.request_id] = cost
             budget -= cost
-            index += 1
         if not out.preempted:
             self._admit_waiting(out, budget)
         now = time.monotonic()
@@ -141,6 +153,22 @@ class Scheduler:
             if item.request.times.first_scheduled is None:
                 item.request.times.first_scheduled = now
         return out
+
+    def _decoding_first(self) -> list[Request]:
+        """The running requests in turn: those decoding (one known token not yet computed), then those still
+        computing their prompts (or a jump-forward's tokens), each group in arrival order."""
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        computing = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        return decoding + computing
+
+    def _chunk_budget(self, request: Request, budget: int) -> int:
+        """What a running request's next chunk may take: all that is left, or half of it (at least one token)
+        while the first waiting request could take a seat and this chunk is not a decode."""
+        if request.num_tokens - request.num_computed_tokens <= 1 or not self.waiting:
+            return budget
+        if len(self.running) + self.forks.seats_needed(self.waiting[0]) > self.max_num_seqs:
+            return budget
+        return max(1, budget // 2)
 
     def _fit_drafts(self, request: Request, drafts: list[int], budget: int) -> list[int]:
         """The proposed tokens a decoding request verifies this step: all of them, with their KV slots
@@ -178,7 +206,7 @@ class Scheduler:
             if len(self.running) + self.forks.seats_needed(request) > self.max_num_seqs:
                 break
             hits, num_cached = self.kv.get_computed_blocks(request)
-            num_new, cost = _fit(request, num_cached, budget)
+            num_new, cost = fit(request, num_cached, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
@@ -284,30 +312,8 @@ class Scheduler:
         return request
 
 
-def _fit(request: Request, num_computed: int, budget: int) -> tuple[int, int]:
-    """How many of the request's next tokens this step takes, and what they cost of the token budget.
-
-    A token costs one; a prompt token whose position is scored (prompt logprobs) costs two: its forward row, and
-    its row through the LM head and the log-softmax, top-k and rank passes over the vocabulary, which costs less
-    than a forward row. So a scoring step never takes longer than a full-budget step: a long prompt's scoring
-    spreads over more, shorter steps, and the other requests' tokens come between them. At least one token, to
-    progress (a budget of one then takes two).
-    """
-    remaining = request.num_tokens - num_computed
-    num_new = min(remaining, budget)
-    if request.params.prompt_logprobs is None:
-        return num_new, num_new
-    window = scored_positions(num_computed, remaining, len(request.prompt_logprobs), request.num_prompt_tokens)
-    if not window:
-        return num_new, num_new
-    before = window.start - num_computed
-    segments = [(before, 1), (len(window), 2), (remaining - before - len(window), 1)]  # (tokens, cost of each)
-    taken, left = 0, budget
-    for length, cost in segments:
-        take = min(length, left // cost)
-        taken, left = taken + take, left - take * cost
-        if take < length:
-            break
-    if taken == 0:  # a budget of one and a scored token next
-        return 1, 2
-    return taken, budget - left
+def _unschedule_preempted(out: SchedulerOutput, costs: dict[str, int]) -> int:
+    """Drops the requests preempted after they were scheduled this step; returns the budget they had taken."""
+    dropped = [item for item in out.scheduled if item.request.status != RequestStatus.RUNNING]
+    out.scheduled = [item for item in out.scheduled if item.request.status == RequestStatus.RUNNING]
+    return sum(costs[item.request.request_id] for item in dropped)

@@ -8,6 +8,7 @@ import logging
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from pagedserve.server.answers import json_answer
 from pagedserve.server.chat.protocol import ChatCompletion, ChatCompletionRequest
 from pagedserve.server.chat.reply import ChatReply
 from pagedserve.server.generation import Generation
@@ -49,4 +50,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return sse_response(
             sse_events(reply, streams, params.n, record, body.include_usage, body.continuous_usage), streams
         )
-    return reply.completion(await call.collect(streams, params.n), record.usage())
+    outputs = await call.collect(streams, params.n)
+    usage = record.usage()
+    return await json_answer(lambda: reply.completion(outputs, usage))

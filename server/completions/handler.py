@@ -13,6 +13,7 @@ from pagedserve.engine import CompletionOutput, SequenceDelta, TokenLogprob
 from pagedserve.engine.client.async_engine import AsyncEngine
 from pagedserve.engine.outputs import PromptLogprobs
 from pagedserve.engine.validation import check_admissible
+from pagedserve.server.answers import json_answer
 from pagedserve.server.completions.protocol import Completion, CompletionChoice, CompletionRequest
 from pagedserve.server.context import ServingContext
 from pagedserve.server.generation import Generation
@@ -46,7 +47,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         return sse_response(
             sse_events(reply, streams, params.n, record, body.include_usage, body.continuous_usage), streams
         )
-    return reply.completion(await call.collect(streams, params.n), record.usage())
+    outputs = await call.collect(streams, params.n)
+    usage = record.usage()
+    return await json_answer(lambda: reply.completion(outputs, usage))
 
 
 def _echoes(engine: AsyncEngine, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
