@@ -72,8 +72,9 @@ def generate(
             after_step(engine)
         for delta in deltas:
             key = delta.request_id if delta.index == 0 else f"{delta.request_id}/{delta.index}"
-            entry = results.setdefault(key, {"tokens": [], "text": ""})
+            entry = results.setdefault(key, {"tokens": [], "text": "", "logprobs": []})
             entry["tokens"] += delta.new_token_ids
+            entry["logprobs"] += [chosen.logprob for chosen in delta.new_logprobs or []]
             entry["text"] += delta.new_text
             if delta.finished:
                 entry["finish"], entry["stop_reason"] = delta.finish_reason, delta.stop_reason

@@ -104,7 +104,8 @@ def paged_attention_forward(
     k_cache, v_cache = step.kv_caches[layer_idx]
     step.backend.write_kv(k, v, k_cache, v_cache, step.metadata.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = step.backend.paged_attention(q.contiguous(), k_cache, v_cache, step.metadata, scale)
+    window = _window(kwargs)  # each layer's own (a model may interleave windowed and global layers)
+    out = step.backend.paged_attention(q.contiguous(), k_cache, v_cache, step.metadata, scale, sliding_window=window)
     return out.unsqueeze(0), None
 
 

@@ -141,7 +141,7 @@ def fallback_spec(
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         qkv_bias=False,
         qk_norm=False,
-        # Windowed layers attend to whole contexts up to the window, which is then the longest request.
+        # The narrowest window (each layer's own reaches the paged kernels with its query: transformers_attention).
         sliding_window=min(windows) if windows else None,
         eos_token_ids=eos_token_ids,
     )
