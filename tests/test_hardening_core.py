@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import transformers
 
 from pagedserve.engine import EngineConfig, SamplingParams
 from pagedserve.engine.client.async_engine import AsyncEngine
@@ -34,6 +35,7 @@ from pagedserve.engine.core.messages import (
     StepOutput,
 )
 from pagedserve.engine.core.process import CoreConnection, CoreGone
+from pagedserve.engine.text.text_tokenizer import TokenizerSpec
 from pagedserve.engine.validation import RequestLimits
 from pagedserve.server import ServerSettings
 from tests.servers import serving
@@ -143,7 +145,7 @@ class SilentCore(CoreConnection):
 def _silent_engine(smol_dir: Path, heartbeat_timeout: float, **limits: float) -> tuple[AsyncEngine, SilentCore]:
     info = EngineInfo(
         model_dir=str(smol_dir),
-        tokenizer=str(smol_dir),
+        tokenizer=TokenizerSpec.of(transformers.AutoTokenizer.from_pretrained(smol_dir)),
         trust_message_special_tokens=False,
         limits=RequestLimits(2048, 49152, 4, 8, 5, 16),
         max_queue_time=limits.get("max_queue_time"),
