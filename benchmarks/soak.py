@@ -10,8 +10,9 @@ what they gave alone before the traffic began. It reports unplanned 5xx answers,
 neither complete nor a clean error, attacks answered otherwise than planned), changed probes, the innocent
 streams' largest wait between two chunks while attacks were in flight (and, as a control, while none was), and
 once the traffic stops, read from /metrics: lost KV blocks (referenced with nothing running), leaked queue places
-(held with nothing waiting), and the RSS growth after warm-up of the server and engine processes. The machine's
-load average is printed beside the gaps.
+(held with nothing waiting), the RSS growth after warm-up of the API process and the engine core, and the
+grammar sandboxes' children alive at the end (pools started on demand: not growth). The machine's load average
+is printed beside the gaps.
 
     python -m benchmarks.soak [--minutes 10] [--clients 16] [--hang-up-share 0.33] [--hostile-share 0.2]
                               [--server-log PATH] [any `pagedserve serve` flag]
@@ -239,7 +240,7 @@ def soak(
         tasks = [asyncio.ensure_future(loop) for loop in loops]
         load = asyncio.ensure_future(sample_load(deadline, report))
         await asyncio.sleep(seconds / 5)
-        rss = resident_bytes(served.processes())
+        rss = resident_bytes(served.services())
         await asyncio.gather(*tasks, load)
         return rss
 
@@ -250,7 +251,9 @@ def soak(
     report.kv_usage_after = gauges["kv_cache_usage_perc"]
     report.lost_blocks = int(gauges["num_kv_blocks"] - gauges["num_free_kv_blocks"])
     report.leaked_places = places_held(served, PLACES_SETTLE_SECONDS)
-    report.rss_growth_mb = (resident_bytes(served.processes()) - rss_after_warm_up) / 2**20
+    report.rss_growth_mb = (resident_bytes(served.services()) - rss_after_warm_up) / 2**20
+    sandboxes = served.sandboxes()
+    report.sandbox_children, report.sandbox_mb = len(sandboxes), resident_bytes(sandboxes) / 2**20
     return report
 
 

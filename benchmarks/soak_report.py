@@ -74,7 +74,9 @@ class SoakReport:
     kv_usage_after: float = 0.0
     lost_blocks: int = 0  # referenced with no request left
     leaked_places: int = 0  # queue places held with no request left
-    rss_growth_mb: float = 0.0  # from the end of warm-up to the end
+    rss_growth_mb: float = 0.0  # the API process's and the engine core's, from the end of warm-up to the end
+    sandbox_children: int = 0  # grammar sandboxes' children alive at the end (a bounded pool, started on demand)
+    sandbox_mb: float = 0.0  # their resident memory
     load_averages: list[float] = field(default_factory=list)  # the machine's 1-minute load, sampled during the run
 
     def _load_range(self) -> str:
@@ -105,5 +107,7 @@ class SoakReport:
             f"after: {self.running_after} requests unfinished, KV usage {self.kv_usage_after:.3f}, "
             f"{self.lost_blocks} lost KV blocks, {self.leaked_places} leaked queue places",
             f"RSS growth after warm-up (server + engine core): {self.rss_growth_mb:+.1f} MB",
+            f"grammar sandboxes alive at the end: {self.sandbox_children} "
+            f"({self.sandbox_mb:.0f} MB, not in the growth)",
             *(f"  {kind}: {self.attacks[kind]}" for kind in self.attack_kinds),
         ]

@@ -40,6 +40,15 @@ class Served:
         server = psutil.Process(self.pid)
         return [server, *server.children(recursive=True)]
 
+    def services(self) -> list[psutil.Process]:
+        """The processes that live as long as the server: the API process and the engine core."""
+        return [process for process in self.processes() if not _is_sandbox(process)]
+
+    def sandboxes(self) -> list[psutil.Process]:
+        """The grammar sandboxes' children alive now (a pool of a few a process that compiles grammars, each started
+        at its first grammar: engine/structured/sandbox.py)."""
+        return [process for process in self.processes() if _is_sandbox(process)]
+
     def gauges(self) -> dict[str, float]:
         """The engine's gauges from /metrics (one model: one sample each)."""
         text = httpx.get(f"{self.url}/metrics", timeout=30).text
@@ -84,3 +93,9 @@ def places_held(served: Served, settle: float) -> int:
     while (held := served.gauges()["num_queue_places_held"]) and time.monotonic() < deadline:
         time.sleep(0.5)
     return int(held)
+
+
+def _is_sandbox(process: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return any(part.endswith("sandbox_child.py") for part in process.cmdline())
+    return False

@@ -3,9 +3,10 @@ in, then nothing left.
 
 After ~30 s of 16 clients against a keyed server (a third hanging up at random, some with queue timeouts, a
 small queue that sheds load, a fifth of the requests hostile: benchmarks/hostile.py, less the heavy attacks that
-take seconds each), no request is running, no KV block is still referenced, no queue place is held, RSS has not
-grown past a bound, every answer was complete or a clean error, every attack got its planned answer, and every
-innocent greedy probe got the text it had alone. (The stream gap limit is the long soak's: here blocks run short
+take seconds each), no request is running, no KV block is still referenced, no queue place is held, the API
+process's and the engine core's RSS have not grown past a bound, the grammar sandboxes hold no more children than
+their pools, every answer was complete or a clean error, every attack got its planned answer, and every innocent
+greedy probe got the text it had alone. (The stream gap limit is the long soak's: here blocks run short
 on purpose, and a preempted stream waits.)
 """
 
@@ -22,6 +23,8 @@ from benchmarks.soak_server import Served, serve_process
 
 SECONDS = 30
 RSS_GROWTH_LIMIT_MB = 100  # after warm-up; a leak per request would pass it within seconds
+# The grammar sandboxes' pools, two children each, in the API process and in the engine core (sandbox.py).
+MAX_SANDBOX_CHILDREN = 4
 # Small enough that queues fill (503s) and blocks run short (preemption) under 16 clients.
 FLAGS = ["--num-kv-blocks", "48", "--max-num-seqs", "8", "--max-queue-len", "12", "--num-threads", "1"]
 
@@ -45,3 +48,4 @@ def test_soak_leaves_nothing_behind(served: Served) -> None:
     assert report.running_after == 0 and report.kv_usage_after == 0.0 and report.lost_blocks == 0, summary
     assert report.leaked_places == 0 and report.unplanned_5xx == 0 and report.changed_probes == 0, summary
     assert report.rss_growth_mb < RSS_GROWTH_LIMIT_MB, summary
+    assert report.sandbox_children <= MAX_SANDBOX_CHILDREN, summary
