@@ -118,13 +118,12 @@ def make_proposer(config: EngineConfig, target: LoadedModel, num_target_blocks: 
 
 
 class Speculator:
-    def __init__(
-        self, config: EngineConfig, max_model_len: int, proposer: Proposer | None, budget: int | None = None
-    ) -> None:
+    def __init__(self, config: EngineConfig, max_model_len: int, proposer: Proposer | None, budget: int) -> None:
+        """`budget`: the query tokens a speculating step may hold (token_budget())."""
         self.proposer = proposer
         self.following: set[str] = set()  # the running sequences at the last round (the proposer may hold state)
         self.num_tokens = config.num_speculative_tokens
-        self.token_budget = config.max_num_batched_tokens if budget is None else budget
+        self.token_budget = budget
         self.default = config.speculative_default
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()  # since collect_stats last reset them (benchmarks)
