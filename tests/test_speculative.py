@@ -374,6 +374,25 @@ def test_a_sequence_proposes_as_many_tokens_as_its_acceptance_makes_worth_verify
     assert proposal_limit(request, 4) == 1  # never none: the pauses throttle it, and proposing is how it learns
 
 
+def test_proposals_after_a_kept_one_are_valued_by_how_often_runs_continue() -> None:
+    from pagedserve.engine.core.speculator import _note_outcome, proposal_chances
+    from pagedserve.engine.scheduling.request import Request
+
+    request = Request("r", [1, 2, 3], SamplingParams(), max_tokens=10)
+    assert proposal_chances(request, 3) == pytest.approx([0.9, 0.81, 0.729])  # the prior
+    assert proposal_chances(request, 0) == []
+    for _ in range(6):  # copied runs: the first proposal kept half the time, then every one of the run
+        _note_outcome(request, accepted=4, proposed=4)
+        _note_outcome(request, accepted=0, proposed=4)
+    first, second, third = proposal_chances(request, 3)
+    assert 0.5 < first < 0.65  # half, and the prior's 0.9
+    assert second / first > 0.95 and third / second > 0.95
+    for _ in range(6):  # a run rarely continues past its first token
+        _note_outcome(request, accepted=1, proposed=4)
+    first, second = proposal_chances(request, 2)
+    assert first > 0.9 and second / first < 0.45
+
+
 def test_parallel_samples_and_prompt_logprobs_speculate_beside_each_other(tiny_vocab_loaded: LoadedModel) -> None:
     """n = 3 samples fork from one prompt's blocks (copied on write) and then verify proposals each; a request
     that scores its prompt speculates after it; greedy ones equal plain decoding, and every block comes back."""

@@ -18,6 +18,7 @@ from pagedserve.engine.core.speculator import (
     Speculator,
     make_proposer,
     split_rows,
+    step_costs,
     token_budget,
 )
 from pagedserve.engine.outputs import PromptLogprobs, RequestMetrics, SequenceDelta, TokenLogprob
@@ -101,7 +102,7 @@ class LLMEngine:
         # After what close() ends: a draft model that cannot serve (another vocabulary) fails the start cleanly.
         proposer = make_proposer(self.config, self.loaded, plan.num_blocks)
         budget = token_budget(self.config, self.loaded)
-        self.speculator = Speculator(self.config, self.max_model_len, proposer, budget)
+        self.speculator = Speculator(self.config, self.max_model_len, proposer, budget, step_costs(self.loaded))
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._children = RequestGroups()  # caller's id -> ids of its n sequences
@@ -300,6 +301,7 @@ class LLMEngine:
             deltas += self._delta_or_failure(request, logprob, num_new[request.request_id])
         deltas += self._finish_prompt_only(out)
         self.speculator.follow(self.scheduler.running)
+        self.speculator.note_step(out, start, time.perf_counter())
         self._record_step(progressed, num_new, start)
         return deltas
 

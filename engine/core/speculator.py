@@ -10,8 +10,11 @@ every proposed position) or logprobs; and a step's k is turned down so that its 
 the speculative token budget, then off (`token_budget`): past it a forward is bound by compute rather than by
 reading the weights, and extra query tokens cost about what they compute. On the CPU's block formats that is
 so from a few rows on (10 tokens: one or two sequences with k = 4), elsewhere from the step's token budget.
-A sequence proposes only as many tokens as its recent acceptance says are worth verifying (`proposal_limit`),
-and one whose proposals were all rejected proposes again only after 1, 2, then 4 decoding steps.
+A sequence proposes only as many tokens as its recent acceptance says are worth verifying: where block formats
+run on the CPU, by the measured cost of each step size (engine/core/step_costs.py: a query row more costs from a
+tenth to most of a step there, by format, row count and CPU); elsewhere while a proposal's chance of acceptance
+stays above MIN_ACCEPTANCE (`proposal_limit`). One whose proposals were all rejected proposes again only after 1,
+2, then 4 decoding steps.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import torch
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.speculation import verify
+from pagedserve.engine.core.step_costs import EXPLORE_EVERY, StepCosts, plan_proposals
 from pagedserve.engine.scheduling.request import Request
-from pagedserve.engine.scheduling.scheduler import ScheduledRequest
+from pagedserve.engine.scheduling.scheduler import ScheduledRequest, SchedulerOutput
 from pagedserve.engine.speculative.draft import DraftModelProposer
 from pagedserve.engine.speculative.ngram import NgramProposer
 from pagedserve.engine.speculative.proposer import Proposer
@@ -33,9 +37,8 @@ from pagedserve.engine.worker import LoadedModel
 
 logger = logging.getLogger(__name__)
 MAX_PAUSE_STEPS = 4  # after proposals rejected outright, steps without any: 1, 2, 4, 4, ... in a row
-# A proposal is worth verifying while its chance of acceptance is at least this: on the CPU's block formats a
-# query row more costs about half to two thirds of a one-token step (benchmarks/README.md, speculative decoding),
-# so a proposal accepted less often costs more than it brings. (On a GPU a row costs far less: this is cautious.)
+# Where step costs are not measured, a proposal is worth verifying while its chance of acceptance is at least
+# this (on a GPU a row costs far less than a step: this is cautious).
 MIN_ACCEPTANCE = 0.6
 ACCEPTANCE_MEMORY = 0.7  # the weight of the acceptance seen before a verification, against that verification's
 PRIOR_ACCEPTANCE, PRIOR_TRIALS = 0.9, 2.0  # a new sequence proposes 4 tokens: 0.9 ** 4 > MIN_ACCEPTANCE
@@ -83,6 +86,21 @@ def proposal_limit(request: Request, k: int) -> int:
     return max(1, min(k, worth))
 
 
+def proposal_chances(request: Request, limit: int) -> list[float]:
+    """The chance that each of the sequence's next `limit` proposals is kept, the ones before it kept too: the
+    first is kept as often as its recent first proposals were; each later one as often as its recent proposals
+    after a kept one were. Two rates, not one: a proposal that follows a kept one continues a copied run and is
+    kept more often than a first one (prompt lookup on grounded text: 0.97 against 0.9), which one rate for all
+    positions undervalues."""
+    first = (request.speculation_first_kept + PRIOR_ACCEPTANCE * PRIOR_TRIALS) / (
+        request.speculation_verifications + PRIOR_TRIALS
+    )
+    later = (request.speculation_continued + PRIOR_ACCEPTANCE * PRIOR_TRIALS) / (
+        request.speculation_continuations + PRIOR_TRIALS
+    )
+    return [first * later**j for j in range(limit)]
+
+
 def _note_outcome(request: Request, accepted: int, proposed: int) -> None:
     """A sequence whose proposals keep being rejected outright (text the proposer cannot guess) proposes less
     often: each wasted verification costs its rows' compute, which on the CPU's block formats is close to a
@@ -90,6 +108,13 @@ def _note_outcome(request: Request, accepted: int, proposed: int) -> None:
     rejected = 1 if accepted < proposed else 0
     request.speculation_accepted = ACCEPTANCE_MEMORY * request.speculation_accepted + accepted
     request.speculation_trials = ACCEPTANCE_MEMORY * request.speculation_trials + accepted + rejected
+    # proposal_chances' rates: the first proposal, and those verified after a kept one (all kept but the last
+    # verified, which a rejection ends).
+    request.speculation_first_kept = ACCEPTANCE_MEMORY * request.speculation_first_kept + (accepted > 0)
+    request.speculation_verifications = ACCEPTANCE_MEMORY * request.speculation_verifications + 1
+    after_kept = max(0, min(accepted + 1, proposed) - 1)
+    request.speculation_continued = ACCEPTANCE_MEMORY * request.speculation_continued + max(0, accepted - 1)
+    request.speculation_continuations = ACCEPTANCE_MEMORY * request.speculation_continuations + after_kept
     if accepted > 0:
         request.speculation_misses = 0
         return
@@ -109,6 +134,11 @@ def token_budget(config: EngineConfig, target: LoadedModel) -> int:
     return config.max_num_batched_tokens
 
 
+def step_costs(target: LoadedModel) -> StepCosts | None:
+    """Measured step costs where a query row's cost varies most (block formats on the CPU); else None."""
+    return StepCosts() if target.multiplies_blocks_on_cpu else None
+
+
 def make_proposer(config: EngineConfig, target: LoadedModel, num_target_blocks: int) -> Proposer | None:
     if config.speculative_method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max, config.num_speculative_tokens)
@@ -118,9 +148,20 @@ def make_proposer(config: EngineConfig, target: LoadedModel, num_target_blocks: 
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, max_model_len: int, proposer: Proposer | None, budget: int) -> None:
-        """`budget`: the query tokens a speculating step may hold (token_budget())."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_model_len: int,
+        proposer: Proposer | None,
+        budget: int,
+        costs: StepCosts | None = None,
+    ) -> None:
+        """`budget`: the query tokens a speculating step may hold (token_budget()); `costs`: where given, how many
+        proposals to verify follows the measured step costs (see step_costs.py), else MIN_ACCEPTANCE."""
         self.proposer = proposer
+        self.costs = costs
+        self.planned_steps = 0
+        self.last_step_end: float | None = None
         self.following: set[str] = set()  # the running sequences at the last round (the proposer may hold state)
         self.num_tokens = config.num_speculative_tokens
         self.token_budget = budget
@@ -139,16 +180,33 @@ class Speculator:
             return {}
         candidates = [r for r in running if self._speculates(r) and not _pausing(r)]
         # Room for the proposals and the target's token after them, within max_tokens and the context.
-        limits = [
-            min(
-                proposal_limit(r, k),
-                r.max_tokens - r.num_output_tokens - 1,
-                self.max_model_len - r.num_tokens - 1,
-            )
-            for r in candidates
+        room = [
+            min(k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1) for r in candidates
         ]
-        drafts = self.proposer.propose(candidates, limits)
-        return {r.request_id: d for r, d in zip(candidates, drafts) if d}
+        if self.costs is not None:
+            self.planned_steps += 1
+            explore = self.planned_steps % EXPLORE_EVERY == 0
+            chances = [proposal_chances(r, limit) for r, limit in zip(candidates, room)]
+            limits = plan_proposals(chances, len(running), self.costs, explore)
+        else:
+            limits = [min(proposal_limit(r, k), limit) for r, limit in zip(candidates, room)]
+        proposing = [(r, limit) for r, limit in zip(candidates, limits) if limit > 0]
+        if not proposing:
+            return {}
+        drafts = self.proposer.propose([r for r, _ in proposing], [limit for _, limit in proposing])
+        return {r.request_id: d for (r, _), d in zip(proposing, drafts) if d}
+
+    def note_step(self, out: SchedulerOutput, start: float, end: float) -> None:
+        """Records a decode-only step's cost by its query tokens (a step with a prompt's tokens costs more than
+        its size says): from the previous step's end, since the loop around the steps (outputs handed on, the
+        next inputs taken) is paid once a step too, but at most twice the step's own time (an idle engine's
+        pause is not a cost)."""
+        previous, self.last_step_end = self.last_step_end, end
+        if self.costs is None or not all(s.num_new_tokens == 1 + len(s.draft_token_ids) for s in out.scheduled):
+            return
+        own = end - start
+        cycle = own if previous is None else end - previous
+        self.costs.record(out.num_batched_tokens, min(cycle, 2 * own))
 
     def follow(self, running: list[Request]) -> None:
         """Lets the proposer drop what it holds for sequences no longer running (finished, aborted, preempted)."""

@@ -79,6 +79,10 @@ class Request:
         self.speculation_pause = 0
         self.speculation_accepted = 0.0
         self.speculation_trials = 0.0
+        self.speculation_first_kept = 0.0  # verifications whose first proposal was kept (decayed)
+        self.speculation_verifications = 0.0
+        self.speculation_continued = 0.0  # proposals kept after a kept one, of those verified after one (decayed)
+        self.speculation_continuations = 0.0
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
 
