@@ -112,7 +112,7 @@ def _note_outcome(request: Request, accepted: int, proposed: int) -> None:
     # verified, which a rejection ends).
     request.speculation_first_kept = ACCEPTANCE_MEMORY * request.speculation_first_kept + (accepted > 0)
     request.speculation_verifications = ACCEPTANCE_MEMORY * request.speculation_verifications + 1
-    after_kept = max(0, min(accepted + 1, proposed) - 1)
+    after_kept = min(accepted + 1, proposed) - 1
     request.speculation_continued = ACCEPTANCE_MEMORY * request.speculation_continued + max(0, accepted - 1)
     request.speculation_continuations = ACCEPTANCE_MEMORY * request.speculation_continuations + after_kept
     if accepted > 0:
