@@ -101,12 +101,14 @@ def random_tensor(dims: tuple[int, ...], qtype: Q, rng: np.random.Generator) -> 
     return blocks.reshape(rows, -1)
 
 
-# Byte offset of each fp16 scale in a block, and its value: weights of about 0.02 on average.
+# Byte offset of each fp16 scale in a block, and its value: weights of mean ~0 and standard deviation ~0.02, as a
+# trained model's. Q4_K's weights are d * scale * q - dmin * min with q in 0..15 and 6-bit scale and min: dmin at
+# 7.5 d centres them (a positive mean makes every gate positive and the MLP's outputs blow up or underflow).
 SCALES = {
     Q.Q4_0: [(0, 0.004)],
     Q.Q8_0: [(0, 0.0003)],
-    Q.Q4_K: [(0, 0.0004), (2, 0.0002)],  # d, dmin
-    Q.Q6_K: [(208, 0.0004)],  # d, after ql, qh and the scales
+    Q.Q4_K: [(0, 0.00008), (2, 0.0006)],  # d, dmin
+    Q.Q6_K: [(208, 0.00012)],  # d, after ql, qh and the scales
 }
 
 

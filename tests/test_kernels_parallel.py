@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing
+import platform
 import queue as queue_module
 import shutil
+import sys
 import threading
 
 import pytest
@@ -102,3 +104,31 @@ def test_a_forked_child_starts_its_own_workers() -> None:
             child.kill()
     result = torch.frombuffer(bytearray(data), dtype=torch.float32).view(weight.shape[0], -1).t()
     torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-4)
+
+
+def _flushes_subnormals() -> bool:
+    """Whether this thread's float arithmetic turns a subnormal result into zero (x86's flush-to-zero mode)."""
+    smallest_normal = sys.float_info.min
+    return smallest_normal / 4 == 0.0
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the mode is x86's MXCSR")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_loops_flush_subnormals_and_the_caller_keeps_its_mode(threads: int) -> None:
+    """A model's activations can sink into the subnormal range, where each operation costs a microcode assist:
+    the pool's loops run with subnormals flushed to zero, and the calling thread gets its own mode back."""
+    library = native_library()
+    assert library is not None
+    flushed: list[bool] = []
+    lock = threading.Lock()
+
+    def record(_context: int | None, begin: int, end: int) -> None:
+        with lock:
+            flushed.append(_flushes_subnormals())
+
+    body = Body(record)
+    library.parallel_for.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, Body, ctypes.c_void_p]
+    assert not _flushes_subnormals()
+    library.parallel_for(64, 1, threads, body, None)
+    assert flushed and all(flushed)
+    assert not _flushes_subnormals()

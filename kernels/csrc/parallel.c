@@ -19,6 +19,10 @@
 #include <stdint.h>
 #include <time.h>
 
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
 enum { MAX_WORKERS = 255 };
 /* Stages of an idle worker's wait. Within an engine step the gaps between kernel calls are tens to
  * hundreds of microseconds; between steps, a few milliseconds. */
@@ -62,6 +66,28 @@ static inline void cpu_pause(void) {
     __builtin_ia32_pause();
 #elif defined(__aarch64__)
     __asm__ volatile("yield");
+#endif
+}
+
+/* MXCSR's flush-to-zero and denormals-are-zero bits. */
+enum { FLUSH_SUBNORMALS = 0x8040 };
+
+/* Sets this thread's float mode to flush subnormals; returns the mode it had (0 where there is none to set). */
+static inline unsigned flush_subnormals(void) {
+#if defined(__SSE__)
+    const unsigned mode = _mm_getcsr();
+    if ((mode & FLUSH_SUBNORMALS) != FLUSH_SUBNORMALS) _mm_setcsr(mode | FLUSH_SUBNORMALS);
+    return mode;
+#else
+    return 0;
+#endif
+}
+
+static inline void restore_float_mode(unsigned mode) {
+#if defined(__SSE__)
+    if ((mode & FLUSH_SUBNORMALS) != FLUSH_SUBNORMALS) _mm_setcsr(mode);
+#else
+    (void)mode;
 #endif
 }
 
@@ -110,6 +136,7 @@ static uint64_t wait_for_job(uint64_t seen) {
 
 static void *worker_main(void *argument) {
     const int index = (int)(intptr_t)argument; /* 1-based: the caller is thread 0 */
+    flush_subnormals();                          /* for good: this thread runs nothing but the pool's loops */
     uint64_t seen = generation_of(atomic_load(&pool.claim));
     for (;;) {
         seen = generation_of(wait_for_job(seen));
@@ -165,8 +192,8 @@ static void wait_until_done(int64_t chunks) {
     }
 }
 
-void parallel_for(int64_t items, int64_t grain, int threads, parallel_body *body, void *context) {
-    if (items <= 0) return;
+/* parallel_for with the caller's float mode as it is (see the top of this file). */
+static void share_loop(int64_t items, int64_t grain, int threads, parallel_body *body, void *context) {
     grain = grain < 1 ? 1 : grain;
     if ((items + grain - 1) / grain > MAX_CHUNKS) grain = (items + MAX_CHUNKS - 1) / MAX_CHUNKS;
     const int64_t chunks = (items + grain - 1) / grain;
@@ -188,4 +215,11 @@ void parallel_for(int64_t items, int64_t grain, int threads, parallel_body *body
     run_chunks();
     wait_until_done(chunks);
     pthread_mutex_unlock(&pool.caller);
+}
+
+void parallel_for(int64_t items, int64_t grain, int threads, parallel_body *body, void *context) {
+    if (items <= 0) return;
+    const unsigned mode = flush_subnormals();
+    share_loop(items, grain, threads, body, context);
+    restore_float_mode(mode);
 }
