@@ -253,6 +253,9 @@ static inline __attribute__((always_inline)) void tile_k(const uint8_t *row, con
     tile_start(&a, T);
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t *block = row + b * BLOCK_BYTES[format];
+        if (T == 1) /* a row streams from memory at one token (as one_token_32): every line of a block ahead */
+            for (int64_t line = 0; line < BLOCK_BYTES[format]; line += 64)
+                _mm_prefetch((const char *)(block + PREFETCH_BYTES + line), _MM_HINT_T0);
         float group_scale[GROUPS];
         if (format == Q6_K) {
             for (int j = 0; j < GROUPS; ++j) group_scale[j] = half_to_float(block + 208);
