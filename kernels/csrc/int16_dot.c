@@ -221,6 +221,10 @@ static inline __attribute__((always_inline)) void pair_32(const uint8_t *row, in
     tile_start(&a, T);
     tile_start(&c, T);
     for (int64_t b = 0; b < blocks; ++b) {
+        if (b % 2 == 0) {
+            _mm_prefetch((const char *)(row + b * BLOCK_BYTES[format] + PREFETCH_BYTES), _MM_HINT_T0);
+            _mm_prefetch((const char *)(row + row_bytes + b * BLOCK_BYTES[format] + PREFETCH_BYTES), _MM_HINT_T0);
+        }
         block_terms(&a, row + b * BLOCK_BYTES[format], x, b, format, T);
         block_terms(&c, row + row_bytes + b * BLOCK_BYTES[format], x, b, format, T);
     }
@@ -253,9 +257,8 @@ static inline __attribute__((always_inline)) void tile_k(const uint8_t *row, con
     tile_start(&a, T);
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t *block = row + b * BLOCK_BYTES[format];
-        if (T == 1) /* a row streams from memory at one token (as one_token_32): every line of a block ahead */
-            for (int64_t line = 0; line < BLOCK_BYTES[format]; line += 64)
-                _mm_prefetch((const char *)(block + PREFETCH_BYTES + line), _MM_HINT_T0);
+        for (int64_t line = 0; line < BLOCK_BYTES[format]; line += 64) /* every line of a block, ahead */
+            _mm_prefetch((const char *)(block + PREFETCH_BYTES + line), _MM_HINT_T0);
         float group_scale[GROUPS];
         if (format == Q6_K) {
             for (int j = 0; j < GROUPS; ++j) group_scale[j] = half_to_float(block + 208);
