@@ -128,11 +128,11 @@ def test_integer_kernel_is_the_reference(qtype: str, tokens: int, bits: int) -> 
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("tokens", (1, 2, 4, 12))
+@pytest.mark.parametrize("tokens", (1, 2, 4, 6, 7, 12))
 def test_int16_tiles_are_the_reference_on_odd_rows_and_partial_tiles(qtype: str, tokens: int) -> None:
     """37 rows: the 32-weight formats' tiles of two rows end on a row alone; 1 token: a row at a time with its own
     kernel (csrc/int16_dot.c's one_token_32); 4 and 12 tokens: tiles of four tokens summed together, and a tile
-    of eight followed by one of four."""
+    of eight followed by one of four; 6 and 7: four summed together and the rest a token at a time."""
     weight, x = weight_of(qtype, out_features=37), activations(tokens)
     bias = torch.randn(37)
     expected = int8_linear_reference(x, weight, bias, bits=16)

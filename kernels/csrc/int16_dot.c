@@ -96,35 +96,47 @@ static inline __attribute__((always_inline)) __m256i weights_dot(const __m256i w
     return dot_i16(dot_i16(_mm256_setzero_si256(), w[0], xq), w[1], xq + 16);
 }
 
+/* AVX-512's 32 vector registers hold what tiles of 5-7 tokens keep in them: two rows' accumulators, four tokens
+ * summed together and the rest a token at a time. With AVX2's 16 they spill, and those tiles are faster a row and
+ * a token at a time. */
+#if defined(__AVX512VL__)
+enum { MANY_REGISTERS = 1 };
+#else
+enum { MANY_REGISTERS = 0 };
+#endif
+
+/* Tokens of a tile that are summed four at a time (the rest a token at a time): the 32-weight formats' first
+ * T - T % 4 where registers allow; else, and for the K-quants (whose mixed tiles of 5-7 tokens came out slower),
+ * all or none. */
+static inline __attribute__((always_inline)) int in_fours(const enum format format, const int T) {
+    return format < Q4_K && MANY_REGISTERS ? T - T % 4 : (T % 4 == 0 ? T : 0);
+}
+
 /*
- * 32 unpacked weights against the T tokens' integers at q + at, each token's dot times scale * d[scale_at]. T a
- * multiple of 4: four tokens' dots are summed across lanes together and scaled as one four-lane vector (acc4,
- * one lane a token), a few instructions for four tokens where a token alone takes a conversion, a broadcast, a
- * multiply and a multiply-add; Q6_K sums in float (its eight lanes' sum may pass int32). Else one eight-lane
- * accumulator a token (acc).
+ * 32 unpacked weights against the T tokens' integers at q + at, each token's dot times scale * d[scale_at]. The
+ * first in_fours(format, T) tokens: four tokens' dots are summed across lanes together and scaled as one four-lane vector
+ * (acc4, one lane a token), a few instructions for four tokens where a token alone takes a conversion, a
+ * broadcast, a multiply and a multiply-add; Q6_K sums in float (its eight lanes' sum may pass int32). The rest:
+ * one eight-lane accumulator a token (acc).
  */
 static inline __attribute__((always_inline)) void weights_terms(__m256 *acc, __m128 *acc4, const __m256i w[2],
                                                                 const q16_token *x, int64_t at, int64_t scale_at,
                                                                 float scale, const enum format format, const int T) {
-    if (T % 4 == 0) {
 #pragma GCC unroll 4
-        for (int g = 0; g < T / 4; ++g) {
-            const q16_token *four = x + 4 * g;
-            __m256i dots[4];
+    for (int g = 0; g < in_fours(format, T) / 4; ++g) {
+        const q16_token *four = x + 4 * g;
+        __m256i dots[4];
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) dots[i] = weights_dot(w, four[i].q + at);
-            const __m128 sums =
-                format == Q6_K ? four_sums_ps(_mm256_cvtepi32_ps(dots[0]), _mm256_cvtepi32_ps(dots[1]),
-                                              _mm256_cvtepi32_ps(dots[2]), _mm256_cvtepi32_ps(dots[3]))
-                               : _mm_cvtepi32_ps(four_sums(dots[0], dots[1], dots[2], dots[3]));
-            const __m128 scales = _mm_setr_ps(four[0].d[scale_at], four[1].d[scale_at], four[2].d[scale_at],
-                                              four[3].d[scale_at]);
-            acc4[g] = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(scale), scales), sums, acc4[g]);
-        }
-        return;
+        for (int i = 0; i < 4; ++i) dots[i] = weights_dot(w, four[i].q + at);
+        const __m128 sums = format == Q6_K ? four_sums_ps(_mm256_cvtepi32_ps(dots[0]), _mm256_cvtepi32_ps(dots[1]),
+                                                          _mm256_cvtepi32_ps(dots[2]), _mm256_cvtepi32_ps(dots[3]))
+                                           : _mm_cvtepi32_ps(four_sums(dots[0], dots[1], dots[2], dots[3]));
+        const __m128 scales =
+            _mm_setr_ps(four[0].d[scale_at], four[1].d[scale_at], four[2].d[scale_at], four[3].d[scale_at]);
+        acc4[g] = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(scale), scales), sums, acc4[g]);
     }
 #pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) {
+    for (int t = in_fours(format, T); t < T; ++t) {
         const __m256 token_scale = _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_broadcast_ss(x[t].d + scale_at));
         acc[t] = _mm256_fmadd_ps(token_scale, _mm256_cvtepi32_ps(weights_dot(w, x[t].q + at)), acc[t]);
     }
@@ -144,14 +156,12 @@ static inline __attribute__((always_inline)) void tile_start(tile_sums *a, const
     for (int g = 0; g < T / 4; ++g) a->fours[g] = _mm_setzero_ps();
 }
 
-static inline __attribute__((always_inline)) void tile_finish(float *sums, const tile_sums *a, const int T) {
-    if (T % 4 == 0) {
+static inline __attribute__((always_inline)) void tile_finish(float *sums, const tile_sums *a,
+                                                              const enum format format, const int T) {
 #pragma GCC unroll 4
-        for (int g = 0; g < T / 4; ++g) _mm_storeu_ps(sums + 4 * g, a->fours[g]);
-    } else {
+    for (int g = 0; g < in_fours(format, T) / 4; ++g) _mm_storeu_ps(sums + 4 * g, a->fours[g]);
 #pragma GCC unroll 16
-        for (int t = 0; t < T; ++t) sums[t] = sum_lanes(a->lanes[t]);
-    }
+    for (int t = in_fours(format, T); t < T; ++t) sums[t] = sum_lanes(a->lanes[t]);
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) sums[t] += a->offsets[t];
 }
@@ -173,7 +183,7 @@ static inline __attribute__((always_inline)) void tile_32(const uint8_t *row, co
     tile_sums a;
     tile_start(&a, T);
     for (int64_t b = 0; b < blocks; ++b) block_terms(&a, row + b * BLOCK_BYTES[format], x, b, format, T);
-    tile_finish(sums, &a, T);
+    tile_finish(sums, &a, format, T);
 }
 
 /* One token's terms of block b: its scale a scalar product, Q4_0's offset (-8 dw s, the -8 applied by the caller)
@@ -213,7 +223,8 @@ static inline __attribute__((always_inline)) float one_token_32(const uint8_t *r
 }
 
 /* tile_32 for two rows at once: each of x's vectors, loaded once, meets both rows' weights (the loads of x, two
- * a token and block, bound one row's tile as much as its products do). */
+ * a token and block, bound one row's tile as much as its products do). Of 4 and 8 tokens; of 5-7 where registers
+ * allow (MANY_REGISTERS). */
 static inline __attribute__((always_inline)) void pair_32(const uint8_t *row, int64_t row_bytes, const q16_token *x,
                                                           int64_t blocks, float *sums, const enum format format,
                                                           const int T) {
@@ -228,26 +239,24 @@ static inline __attribute__((always_inline)) void pair_32(const uint8_t *row, in
         block_terms(&a, row + b * BLOCK_BYTES[format], x, b, format, T);
         block_terms(&c, row + row_bytes + b * BLOCK_BYTES[format], x, b, format, T);
     }
-    tile_finish(sums, &a, T);
-    tile_finish(sums + TILE_TOKENS, &c, T);
+    tile_finish(sums, &a, format, T);
+    tile_finish(sums + TILE_TOKENS, &c, format, T);
 }
 
 /* Q4_K's and Q5_K's mins term of super-block b, for every token: dmin * m . s, eight groups a multiply. */
 static inline __attribute__((always_inline)) void mins_terms(tile_sums *a, __m256 mins, const q16_token *x, int64_t b,
-                                                             const int T) {
-    if (T % 4 == 0) {
+                                                             const enum format format, const int T) {
 #pragma GCC unroll 4
-        for (int g = 0; g < T / 4; ++g) {
-            const q16_token *four = x + 4 * g;
-            __m256 products[4];
+    for (int g = 0; g < in_fours(format, T) / 4; ++g) {
+        const q16_token *four = x + 4 * g;
+        __m256 products[4];
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) products[i] = _mm256_mul_ps(mins, _mm256_loadu_ps(four[i].s + b * GROUPS));
-            a->fours[g] = _mm_sub_ps(a->fours[g], four_sums_ps(products[0], products[1], products[2], products[3]));
-        }
-        return;
+        for (int i = 0; i < 4; ++i) products[i] = _mm256_mul_ps(mins, _mm256_loadu_ps(four[i].s + b * GROUPS));
+        a->fours[g] = _mm_sub_ps(a->fours[g], four_sums_ps(products[0], products[1], products[2], products[3]));
     }
 #pragma GCC unroll 16
-    for (int t = 0; t < T; ++t) a->lanes[t] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(x[t].s + b * GROUPS), a->lanes[t]);
+    for (int t = in_fours(format, T); t < T; ++t)
+        a->lanes[t] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(x[t].s + b * GROUPS), a->lanes[t]);
 }
 
 /* tile_32 for the K-quants: each group unpacked once a super-block for all T tokens. */
@@ -268,7 +277,7 @@ static inline __attribute__((always_inline)) void tile_k(const uint8_t *row, con
             const __m256 sc_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
             const __m256 m_floats = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)));
             _mm256_storeu_ps(group_scale, _mm256_mul_ps(_mm256_set1_ps(half_to_float(block)), sc_floats));
-            mins_terms(&a, _mm256_mul_ps(_mm256_set1_ps(half_to_float(block + 2)), m_floats), x, b, T);
+            mins_terms(&a, _mm256_mul_ps(_mm256_set1_ps(half_to_float(block + 2)), m_floats), x, b, format, T);
         }
 #pragma GCC unroll 8
         for (int j = 0; j < GROUPS; ++j) {
@@ -277,14 +286,14 @@ static inline __attribute__((always_inline)) void tile_k(const uint8_t *row, con
             weights_terms(a.lanes, a.fours, w, x, b * QK_K + 32 * j, b * GROUPS + j, group_scale[j], format, T);
         }
     }
-    tile_finish(sums, &a, T);
+    tile_finish(sums, &a, format, T);
 }
 
 /* The tile kernel of a format for T tokens. */
 static inline __attribute__((always_inline)) void tile_of(const uint8_t *row, int64_t row_bytes, int rows,
                                                           const q16_token *x, int64_t blocks, float *sums,
                                                           const enum format format, const int T) {
-    if (rows == 2 && format < Q4_K && T % 4 == 0) {
+    if (rows == 2 && format < Q4_K && (T % 4 == 0 || (T > 4 && MANY_REGISTERS))) {
         pair_32(row, row_bytes, x, blocks, sums, format, T);
         return;
     }
@@ -297,7 +306,35 @@ static inline __attribute__((always_inline)) void tile_of(const uint8_t *row, in
             tile_32(row + r * row_bytes, x, blocks, sums + r * TILE_TOKENS, format, T);
 }
 
-/* tile_of with T = tokens (1..TILE_TOKENS) made a constant: one copy of the loops per count. */
+/* tile_of for one format and 5-8 tokens as a function of its own. Inlined into one function per format with the
+ * other counts, its loops shared their register allocation and came out worse for it (Q4_1's 8-token tile 40%
+ * slower once two-row tiles took 5-7 tokens too); 1-4 tokens stay inline, where a call would cost 3-7%. */
+typedef void tile_function(const uint8_t *row, int64_t row_bytes, int rows, const q16_token *x, int64_t blocks,
+                           float *sums);
+
+#define TILE_FUNCTION(name, format, T)                                                                               \
+    static __attribute__((noinline)) void tile_##name##_##T(const uint8_t *row, int64_t row_bytes, int rows,         \
+                                                            const q16_token *x, int64_t blocks, float *sums) {       \
+        tile_of(row, row_bytes, rows, x, blocks, sums, format, T);                                                   \
+    }
+#define TILE_FUNCTIONS(name, format)                                                                                 \
+    TILE_FUNCTION(name, format, 5) TILE_FUNCTION(name, format, 6) TILE_FUNCTION(name, format, 7)                     \
+    TILE_FUNCTION(name, format, 8)
+#define FROM_FIVE_TOKENS(name) {tile_##name##_5, tile_##name##_6, tile_##name##_7, tile_##name##_8}
+
+TILE_FUNCTIONS(q8_0, Q8_0)
+TILE_FUNCTIONS(q4_0, Q4_0)
+TILE_FUNCTIONS(q4_1, Q4_1)
+TILE_FUNCTIONS(q4_k, Q4_K)
+TILE_FUNCTIONS(q5_k, Q5_K)
+TILE_FUNCTIONS(q6_k, Q6_K)
+
+static tile_function *const FIVE_TO_EIGHT_TOKENS[][TILE_TOKENS - 4] = {
+    [Q8_0] = FROM_FIVE_TOKENS(q8_0), [Q4_0] = FROM_FIVE_TOKENS(q4_0), [Q4_1] = FROM_FIVE_TOKENS(q4_1),
+    [Q4_K] = FROM_FIVE_TOKENS(q4_k), [Q5_K] = FROM_FIVE_TOKENS(q5_k), [Q6_K] = FROM_FIVE_TOKENS(q6_k),
+};
+
+/* The tile of `tokens` (1..TILE_TOKENS) tokens: T made a constant, one copy of the loops per count. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *row, int64_t row_bytes, int rows,
                                                        const q16_token *x, int tokens, int64_t blocks, float *sums,
                                                        const enum format format) {
@@ -306,8 +343,10 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *row, int64
     case T:                                                                                                          \
         tile_of(row, row_bytes, rows, x, blocks, sums, format, T);                                                   \
         return;
-        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
+        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
 #undef TILE_CASE
+    default:
+        FIVE_TO_EIGHT_TOKENS[format][tokens - 5](row, row_bytes, rows, x, blocks, sums);
     }
 }
 INT16_TILE_KERNELS
