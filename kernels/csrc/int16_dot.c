@@ -114,8 +114,8 @@ static inline __attribute__((always_inline)) int in_fours(const enum format form
 
 /*
  * 32 unpacked weights against the T tokens' integers at q + at, each token's dot times scale * d[scale_at]. The
- * first in_fours(format, T) tokens: four tokens' dots are summed across lanes together and scaled as one four-lane vector
- * (acc4, one lane a token), a few instructions for four tokens where a token alone takes a conversion, a
+ * first in_fours(format, T) tokens: four tokens' dots are summed across lanes together and scaled as one four-lane
+ * vector (acc4, one lane a token), a few instructions for four tokens where a token alone takes a conversion, a
  * broadcast, a multiply and a multiply-add; Q6_K sums in float (its eight lanes' sum may pass int32). The rest:
  * one eight-lane accumulator a token (acc).
  */
@@ -308,7 +308,8 @@ static inline __attribute__((always_inline)) void tile_of(const uint8_t *row, in
 
 /* tile_of for one format and 5-8 tokens as a function of its own. Inlined into one function per format with the
  * other counts, its loops shared their register allocation and came out worse for it (Q4_1's 8-token tile 40%
- * slower once two-row tiles took 5-7 tokens too); 1-4 tokens stay inline, where a call would cost 3-7%. */
+ * slower once two-row tiles took 5-7 tokens too). 1-4 tokens stay inline: their tiles are short enough for a call
+ * to show. */
 typedef void tile_function(const uint8_t *row, int64_t row_bytes, int rows, const q16_token *x, int64_t blocks,
                            float *sums);
 
