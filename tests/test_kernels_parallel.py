@@ -9,6 +9,7 @@ import queue as queue_module
 import shutil
 import sys
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,20 +22,25 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C co
 Body = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 
 
-def _parallel_for(items: int, grain: int, threads: int) -> list[tuple[int, int]]:
-    """The [begin, end) ranges parallel_for hands out, recorded by a Python body."""
+def _run_parallel_for(items: int, grain: int, threads: int, chunk: Callable[[int, int], None]) -> None:
+    """parallel_for with a Python body: chunk(begin, end) for each chunk it hands out, on whichever thread."""
     library = native_library()
     assert library is not None
+    body = Body(lambda _context, begin, end: chunk(begin, end))  # kept alive until the call returns
+    library.parallel_for.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, Body, ctypes.c_void_p]
+    library.parallel_for(items, grain, threads, body, None)
+
+
+def _parallel_for(items: int, grain: int, threads: int) -> list[tuple[int, int]]:
+    """The [begin, end) ranges parallel_for hands out."""
     ranges: list[tuple[int, int]] = []
     lock = threading.Lock()
 
-    def record(_context: int | None, begin: int, end: int) -> None:
+    def record(begin: int, end: int) -> None:
         with lock:
             ranges.append((begin, end))
 
-    body = Body(record)  # kept alive until the call returns
-    library.parallel_for.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, Body, ctypes.c_void_p]
-    library.parallel_for(items, grain, threads, body, None)
+    _run_parallel_for(items, grain, threads, record)
     return ranges
 
 
@@ -117,18 +123,14 @@ def _flushes_subnormals() -> bool:
 def test_loops_flush_subnormals_and_the_caller_keeps_its_mode(threads: int) -> None:
     """A model's activations can sink into the subnormal range, where each operation costs a microcode assist:
     the pool's loops run with subnormals flushed to zero, and the calling thread gets its own mode back."""
-    library = native_library()
-    assert library is not None
     flushed: list[bool] = []
     lock = threading.Lock()
 
-    def record(_context: int | None, begin: int, end: int) -> None:
+    def record(_begin: int, _end: int) -> None:
         with lock:
             flushed.append(_flushes_subnormals())
 
-    body = Body(record)
-    library.parallel_for.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, Body, ctypes.c_void_p]
     assert not _flushes_subnormals()
-    library.parallel_for(64, 1, threads, body, None)
+    _run_parallel_for(64, 1, threads, record)
     assert flushed and all(flushed)
     assert not _flushes_subnormals()

@@ -199,10 +199,15 @@ static inline __attribute__((always_inline)) void one_token_block(__m256 *acc, f
     if (format == Q4_1) *offset += half_to_float(block + 2) * s[b];
 }
 
-/* How far ahead of its reading one token's row kernel asks for the weights: a row streams from memory at one
- * token, and the hardware prefetcher alone left a thread stalled on it. Measured on a 1B model's decode step, one
- * thread (Zen 4): 2048-4096 bytes take 8-10% off the layers' CPU time, 1024 about 7%, 8192 3%. */
+/* How far ahead of its reading a tile asks for the weights: rows stream from memory, and the hardware prefetcher
+ * alone left a thread stalled on them. Measured on a 1B model's decode step, one thread (Zen 4): 2048-4096 bytes
+ * take 8-10% off the layers' CPU time, 1024 about 7%, 8192 3%. */
 enum { PREFETCH_BYTES = 2048 };
+
+/* Asks for the cache line PREFETCH_BYTES past `at`. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *at) {
+    _mm_prefetch((const char *)(at + PREFETCH_BYTES), _MM_HINT_T0);
+}
 
 /* row . x for one token: two accumulators a block about (one chain of multiply-adds is bound by its latency). */
 static inline __attribute__((always_inline)) float one_token_32(const uint8_t *row, const q16_token *x,
@@ -213,7 +218,7 @@ static inline __attribute__((always_inline)) float one_token_32(const uint8_t *r
     float offset0 = 0.0f, offset1 = 0.0f;
     int64_t b = 0;
     for (; b + 1 < blocks; b += 2) {
-        _mm_prefetch((const char *)(row + b * BLOCK_BYTES[format] + PREFETCH_BYTES), _MM_HINT_T0);
+        prefetch_ahead(row + b * BLOCK_BYTES[format]);
         one_token_block(&acc0, &offset0, row + b * BLOCK_BYTES[format], q, d, s, b, format);
         one_token_block(&acc1, &offset1, row + (b + 1) * BLOCK_BYTES[format], q, d, s, b + 1, format);
     }
@@ -223,8 +228,7 @@ static inline __attribute__((always_inline)) float one_token_32(const uint8_t *r
 }
 
 /* tile_32 for two rows at once: each of x's vectors, loaded once, meets both rows' weights (the loads of x, two
- * a token and block, bound one row's tile as much as its products do). Of 4 and 8 tokens; of 5-7 where registers
- * allow (MANY_REGISTERS). */
+ * a token and block, bound one row's tile as much as its products do). */
 static inline __attribute__((always_inline)) void pair_32(const uint8_t *row, int64_t row_bytes, const q16_token *x,
                                                           int64_t blocks, float *sums, const enum format format,
                                                           const int T) {
@@ -233,8 +237,8 @@ static inline __attribute__((always_inline)) void pair_32(const uint8_t *row, in
     tile_start(&c, T);
     for (int64_t b = 0; b < blocks; ++b) {
         if (b % 2 == 0) {
-            _mm_prefetch((const char *)(row + b * BLOCK_BYTES[format] + PREFETCH_BYTES), _MM_HINT_T0);
-            _mm_prefetch((const char *)(row + row_bytes + b * BLOCK_BYTES[format] + PREFETCH_BYTES), _MM_HINT_T0);
+            prefetch_ahead(row + b * BLOCK_BYTES[format]);
+            prefetch_ahead(row + row_bytes + b * BLOCK_BYTES[format]);
         }
         block_terms(&a, row + b * BLOCK_BYTES[format], x, b, format, T);
         block_terms(&c, row + row_bytes + b * BLOCK_BYTES[format], x, b, format, T);
@@ -267,7 +271,7 @@ static inline __attribute__((always_inline)) void tile_k(const uint8_t *row, con
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t *block = row + b * BLOCK_BYTES[format];
         for (int64_t line = 0; line < BLOCK_BYTES[format]; line += 64) /* every line of a block, ahead */
-            _mm_prefetch((const char *)(block + PREFETCH_BYTES + line), _MM_HINT_T0);
+            prefetch_ahead(block + line);
         float group_scale[GROUPS];
         if (format == Q6_K) {
             for (int j = 0; j < GROUPS; ++j) group_scale[j] = half_to_float(block + 208);
@@ -293,7 +297,7 @@ static inline __attribute__((always_inline)) void tile_k(const uint8_t *row, con
 static inline __attribute__((always_inline)) void tile_of(const uint8_t *row, int64_t row_bytes, int rows,
                                                           const q16_token *x, int64_t blocks, float *sums,
                                                           const enum format format, const int T) {
-    if (rows == 2 && format < Q4_K && (T % 4 == 0 || (T > 4 && MANY_REGISTERS))) {
+    if (rows == 2 && format < Q4_K && in_fours(format, T) > 0) { /* x's loads shared where four tokens sum together */
         pair_32(row, row_bytes, x, blocks, sums, format, T);
         return;
     }
