@@ -8,6 +8,7 @@ and sees how the other one ended.
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -189,7 +190,8 @@ def test_compiling_a_fresh_grammar_does_not_stall_a_running_stream(tiny_llama_lo
             streams += 1
             engine.add_request(f"s{streams}", prompt(6, 100 + streams), stream)
     compile_seconds = time.perf_counter() - started
-    assert compile_seconds > 1.0, "the grammar compiled too fast to show anything"
+    # The check has teeth only if the compile spans many steps: relative, as a fast machine compiles in under 1 s.
+    assert compile_seconds > 20 * statistics.median(gaps), "the grammar compiled too fast to show anything"
     assert max(gaps) < compile_seconds / 2, f"a step waited {max(gaps):.2f} s of {compile_seconds:.2f} s compiling"
     assert finished["g"] in ("stop", "length")
 
