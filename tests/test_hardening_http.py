@@ -325,7 +325,7 @@ def test_keep_alive_requests_and_long_streams_are_not_under_the_header_timeout(s
             time.sleep(HEADER_TIMEOUT / 2)
         assert time.monotonic() - started > HEADER_TIMEOUT
         assert closed_within(sock, HEADER_TIMEOUT + SLACK)  # idle after its answer: the timeout runs again
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 600, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1800, "ignore_eos": True, "stream": True}
     started = time.monotonic()
     with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
