@@ -12,6 +12,9 @@ being faster. The kernels are called directly, at every token count.
 Copy bandwidth: a 256 MiB torch copy on the same threads, as bytes read per second (what a weight stream is;
 a copy also writes as many).
 
+Where the CPU has AMX's tile unit (csrc/amx_tiles.c), int16 runs twice: on the vector unit alone ("int16") and,
+for Q8_0, Q4_0 and Q4_1 from two tokens, on the tile unit ("int16 AMX", what the engine runs there).
+
 --cached: the kernels' arithmetic alone, as a busy machine still measures it: one thread, a 1024 x 2048 weight
 that stays in cache, the thread's CPU time (not the wall clock) per 32 weights and token, best of a few rounds.
 
@@ -35,9 +38,11 @@ from pagedserve.kernels.cpu_native import native_function
 from pagedserve.kernels.quantized import (
     QuantizedLinear,
     QuantizedWeight,
+    allow_tile_unit,
     int8_linear_kernel,
     quantize,
     quantized_linear_kernel,
+    tile_unit_takes,
 )
 
 LAYER = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))
@@ -63,17 +68,17 @@ def layers_of(qtype: str) -> list[QuantizedWeight]:
     return weights
 
 
-def kernel_of(activation_dtype: str) -> QuantizedLinear:
-    """The kernel itself, at any token count (quantized_linear takes the integer ones below INTEGER_MAX_TOKENS)."""
-    kernel = (
-        quantized_linear_kernel() if activation_dtype == "float32" else int8_linear_kernel(activation_dtype == "int16")
-    )
+def kernel_of(path: str) -> QuantizedLinear:
+    """The kernel of one of PATHS itself, at any token count (quantized_linear takes the integer ones below
+    INTEGER_MAX_TOKENS), the tile unit allowed for "int16 AMX" alone."""
+    kernel = quantized_linear_kernel() if path == "float32" else int8_linear_kernel(path != "int8")
     assert kernel is not None
+    allow_tile_unit(path == "int16 AMX")
     return kernel
 
 
-def pass_seconds(weights: list[QuantizedWeight], x: dict[int, torch.Tensor], activation_dtype: str) -> float:
-    kernel = kernel_of(activation_dtype)
+def pass_seconds(weights: list[QuantizedWeight], x: dict[int, torch.Tensor], path: str) -> float:
+    kernel = kernel_of(path)
     outs = {w.shape: torch.empty(x[w.shape[1]].shape[0], w.shape[0]) for w in weights}
     start = time.perf_counter()
     for weight in weights:
@@ -81,20 +86,22 @@ def pass_seconds(weights: list[QuantizedWeight], x: dict[int, torch.Tensor], act
     return time.perf_counter() - start
 
 
-DTYPES = ("float32", "int8", "int16")
+def paths() -> tuple[str, ...]:
+    """The products measured: each activation dtype's, and int16's on the tile unit where there is one."""
+    return ("float32", "int8", "int16", *(("int16 AMX",) if tile_unit_takes("q4_0") else ()))
 
 
 def gb_per_second(weights: list[QuantizedWeight], tokens: int) -> list[float]:
-    """Weight bytes per second over all layers for each of DTYPES, interleaved medians."""
+    """Weight bytes per second over all layers for each of paths(), interleaved medians."""
     x = {k: torch.randn(tokens, k) for k in {w.shape[1] for w in weights}}
-    times: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
+    times: dict[str, list[float]] = {path: [] for path in paths()}
     for dtype in times:
         pass_seconds(weights, x, dtype)  # warm-up
     for _ in range(SAMPLES):
         for dtype, elapsed in times.items():
             elapsed.append(pass_seconds(weights, x, dtype))
     nbytes = sum(w.nbytes for w in weights)
-    return [nbytes / statistics.median(times[dtype]) / 1e9 for dtype in DTYPES]
+    return [nbytes / statistics.median(times[path]) / 1e9 for path in paths()]
 
 
 def copy_gb_per_second() -> float:
@@ -111,12 +118,12 @@ def copy_gb_per_second() -> float:
 
 
 def cached_ns_per_block(qtype: str, tokens: int, rounds: int = 7, calls: int = 50) -> list[float]:
-    """One thread's CPU nanoseconds per 32 weights and token for each of DTYPES, the weight in cache (--cached)."""
+    """One thread's CPU nanoseconds per 32 weights and token for each of paths(), the weight in cache (--cached)."""
     weight = quantize(torch.randn(ROWS_CACHED, 2048, generator=torch.Generator().manual_seed(0)) * 0.02, qtype)
     x, out = torch.randn(tokens, 2048), torch.empty(tokens, ROWS_CACHED)
-    best = dict.fromkeys(DTYPES, float("inf"))
+    best = dict.fromkeys(paths(), float("inf"))
     for _ in range(rounds):
-        for dtype in DTYPES:
+        for dtype in best:
             kernel = kernel_of(dtype)
             kernel(x, weight, None, out)
             start = time.thread_time()
@@ -124,18 +131,19 @@ def cached_ns_per_block(qtype: str, tokens: int, rounds: int = 7, calls: int = 5
                 kernel(x, weight, None, out)
             best[dtype] = min(best[dtype], (time.thread_time() - start) / calls)
     blocks = ROWS_CACHED * 2048 / 32 * tokens
-    return [best[dtype] / blocks * 1e9 for dtype in DTYPES]
+    return [best[dtype] / blocks * 1e9 for dtype in best]
 
 
 def print_cached(formats: list[str], token_counts: list[int]) -> None:
     torch.set_num_threads(1)
-    print("| format | tokens | float32 ns | int8 ns | int16 ns | int16 / float32 time |")
-    print("|---|---:|---:|---:|---:|---:|")
+    amx = len(paths()) > 3
+    print("| format | tokens | float32 ns | int8 ns | int16 ns | int16 / float32 time |" + amx * " int16 AMX ns |")
+    print("|---|---:|---:|---:|---:|---:|" + amx * "---:|")
     for qtype in formats:
         for tokens in token_counts:
-            float_ns, int8_ns, int16_ns = cached_ns_per_block(qtype, tokens)
+            float_ns, int8_ns, int16_ns, *amx_ns = cached_ns_per_block(qtype, tokens)
             print(f"| {qtype.upper()} | {tokens} | {float_ns:.2f} | {int8_ns:.2f} | {int16_ns:.2f} | "
-                  f"{int16_ns / float_ns:.2f} |")  # fmt: skip
+                  f"{int16_ns / float_ns:.2f} |" + "".join(f" {ns:.2f} |" for ns in amx_ns))  # fmt: skip
 
 
 def main() -> None:
@@ -172,16 +180,20 @@ def main() -> None:
         f"{started:%Y-%m-%d %H:%M} UTC; 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
     print(f"copy bandwidth: {copy_before:.1f} GB/s read (before), {copy_after:.1f} (after)\n")
+    amx = len(paths()) > 3
     print(
         "| format | tokens | float32 GB/s | int8 GB/s | int16 GB/s | int8 / float32 | int16 / float32 | int16 / copy |"
+        + amx * " int16 AMX GB/s | AMX / int16 |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + amx * "---:|---:|")
     copy = max(copy_before, copy_after)
-    for qtype, tokens, float_gbs, int8_gbs, int16_gbs in rows:
+    for qtype, tokens, float_gbs, int8_gbs, int16_gbs, *amx_gbs in rows:
         print(
             f"| {qtype.upper()} | {tokens} | {float_gbs:.1f} | {int8_gbs:.1f} | {int16_gbs:.1f} | "
             f"{int8_gbs / float_gbs:.2f} | {int16_gbs / float_gbs:.2f} | {int16_gbs / copy:.0%} |"
+            + "".join(f" {gbs:.1f} | {gbs / int16_gbs:.2f} |" for gbs in amx_gbs)
         )
+    allow_tile_unit(True)
 
 
 if __name__ == "__main__":

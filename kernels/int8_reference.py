@@ -14,20 +14,23 @@ import torch
 from pagedserve.kernels.block_formats import QuantizedWeight
 from pagedserve.kernels.quantized_reference import dequantize
 
+# csrc/int8_activations.h's: 127 * 256 + 127, so that an integer is two signed bytes for AMX's tile unit
+Q16_MAX = 32639
+
 Q8_BLOCK = 32
 
 
 def quantize_activations(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, K] float32 (K a multiple of 32) as (q int8 [T, K], d float32 [T, K / 32], s float32 [T, K / 32]);
-    bits=16: q int16, d = max |x| / 32767."""
+    bits=16: q int16, d = max |x| / Q16_MAX."""
     tokens, features = x.shape
     if features % Q8_BLOCK != 0:
         raise ValueError(f"features must be a multiple of {Q8_BLOCK}, got {features}")
     blocks = x.float().reshape(tokens, features // Q8_BLOCK, Q8_BLOCK)
-    scale = blocks.abs().amax(dim=-1) / (127 if bits == 8 else 32767)
+    scale = blocks.abs().amax(dim=-1) / (127 if bits == 8 else Q16_MAX)
     inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
     q = torch.round(blocks * inverse.unsqueeze(-1))
-    sums = scale * q.sum(dim=-1)  # an integer sum, exact in float32 (|sum| <= 32 * 32767 < 2^24)
+    sums = scale * q.sum(dim=-1)  # an integer sum, exact in float32 (|sum| <= 32 * Q16_MAX < 2^24)
     return q.to(torch.int8 if bits == 8 else torch.int16).reshape(tokens, features), scale, sums
 
 

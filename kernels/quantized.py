@@ -48,6 +48,7 @@ __all__ = [
     "SUPER_BLOCK",
     "BlockFormat",
     "QuantizedWeight",
+    "allow_tile_unit",
     "block_format",
     "dequantize",
     "dequantize_kernel",
@@ -57,6 +58,7 @@ __all__ = [
     "quantize",
     "quantized_linear",
     "quantized_linear_kernel",
+    "tile_unit_takes",
     "tiled_linear",
 ]
 
@@ -168,6 +170,20 @@ def int8_formats() -> frozenset[str]:
     if supports is None:
         return frozenset()
     return frozenset(name for name, fmt in FORMATS.items() if supports(fmt.ggml_type))
+
+
+def tile_unit_takes(qtype: str) -> bool:
+    """Whether int16 products of 2+ tokens with weights of `qtype` run on AMX's tile unit here (csrc/amx_tiles.c):
+    an Intel CPU that has one, a Linux that grants it, and a format it takes."""
+    takes = native_function("amx_tiles_for", [ctypes.c_int])
+    return takes is not None and qtype in FORMATS and bool(takes(FORMATS[qtype].ggml_type))
+
+
+def allow_tile_unit(allow: bool) -> bool:
+    """Lets int16 products use the tile unit where it is present (the default), or not; returns the setting it
+    had. For benchmarks and tests, which compare the two paths."""
+    allow_tiles = native_function("amx_tiles_allow", [ctypes.c_int])
+    return allow_tiles is not None and bool(allow_tiles(int(allow)))
 
 
 NativeFunctions = dict[int, Callable[..., int]]  # a block's weights (BLOCK, SUPER_BLOCK) -> the C function for it

@@ -18,14 +18,21 @@ import torch
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.kernels.cpu_native import EXTRA_CFLAGS_VARIABLE, native_function
-from pagedserve.kernels.int8_reference import dequantize_activations, int8_linear_reference, quantize_activations
+from pagedserve.kernels.int8_reference import (
+    Q16_MAX,
+    dequantize_activations,
+    int8_linear_reference,
+    quantize_activations,
+)
 from pagedserve.kernels.quantized import (
     QuantizedWeight,
+    allow_tile_unit,
     int8_formats,
     int8_linear_kernel,
     integer_max_tokens,
     quantize,
     quantized_linear,
+    tile_unit_takes,
 )
 from tests.test_kernels_quantized import random_weight
 
@@ -109,7 +116,7 @@ def test_quantized_activations_are_the_reference_bit_for_bit(tokens: int, bits: 
 def test_quantized_activations_are_close_to_x(bits: int) -> None:
     x = activations(4)
     q, d, _ = quantize_activations(x, bits)
-    assert q.abs().max() <= 2 ** (bits - 1) - 1 and not q[:, 64:96].any()
+    assert q.abs().max() == (127 if bits == 8 else Q16_MAX) and not q[:, 64:96].any()
     error = (dequantize_activations(q, d) - x.double()).reshape(4, -1, 32).abs()
     rounding = x.double().abs().reshape(4, -1, 32) * 2**-23  # of x * (1 / d), in float32
     assert (error <= d.double().unsqueeze(-1) / 2 + rounding + 1e-12).all()  # half a step a block
@@ -201,3 +208,52 @@ def test_narrower_builds_compute_the_reference(build: str) -> None:
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
+
+
+# ---- AMX's tile unit (csrc/amx_tiles.c): the same integers as the vector unit's tiles -----------------------------
+
+TILE_UNIT_QTYPES = ("q8_0", "q4_0", "q4_1")
+needs_tile_unit = pytest.mark.skipif(
+    not tile_unit_takes("q4_0"), reason="needs AMX's tile unit (Intel Xeon since Sapphire Rapids, Linux 5.16+)"
+)
+
+
+def vector_unit_product(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor) -> torch.Tensor:
+    allowed = allow_tile_unit(False)
+    try:
+        return integer_product(x, weight, bias, bits=16)
+    finally:
+        allow_tile_unit(allowed)
+
+
+def test_the_tile_unit_takes_the_32_weight_formats_alone() -> None:
+    if tile_unit_takes("q4_0"):
+        assert [q for q in QTYPES if tile_unit_takes(q)] == list(TILE_UNIT_QTYPES)
+    assert not any(tile_unit_takes(q) for q in ("q4_k", "q6_k", "f16", "no such format"))
+
+
+@needs_tile_unit
+@pytest.mark.parametrize("qtype", TILE_UNIT_QTYPES)
+@pytest.mark.parametrize("tokens", (2, 3, 8, 9, 17))
+@pytest.mark.parametrize("in_features", (32, 64, 96, 800))
+def test_the_tile_unit_computes_the_vector_units_products(qtype: str, tokens: int, in_features: int) -> None:
+    """48 rows (three groups of 16, split between threads); 1-3 blocks a row (fewer than the pipeline's lead and
+    lag) and 25 (an odd count); 2-8 tokens in one group, 9 and 17 ending on a group of one."""
+    weight = quantize(torch.randn(48, in_features, generator=torch.Generator().manual_seed(1)) * 0.05, qtype)
+    x, bias = activations(tokens, in_features), torch.randn(48)
+    tiles = integer_product(x, weight, bias, bits=16)
+    expected = int8_linear_reference(x, weight, bias, bits=16)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(tiles, expected, rtol=1e-5, atol=1e-5 * scale)
+    torch.testing.assert_close(tiles, vector_unit_product(x, weight, bias), rtol=1e-5, atol=1e-6 * scale)
+
+
+@needs_tile_unit
+def test_the_tile_unit_takes_the_largest_integers() -> None:
+    """Every integer at +-Q16_MAX, the ends of the two-byte split, and weights at their ends too (Q8_0's -127..127):
+    the product's int32 sums at their largest."""
+    weight = quantize(torch.tensor([[1.0, -1.0] * 16] * 16), "q8_0")
+    x = torch.tensor([[1.0, -1.0] * 16, [-1.0, 1.0] * 16])
+    expected = int8_linear_reference(x, weight, bits=16)
+    assert expected.abs().min() > 31.9  # |w . x| = 32 for every row and token
+    torch.testing.assert_close(integer_product(x, weight, bits=16), expected, rtol=1e-6, atol=0)

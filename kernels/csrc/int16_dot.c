@@ -1,6 +1,6 @@
 /*
  * Tile dots of every block format with tokens quantized to 16 bits (int8_activations.h's q16_token), AVX2: the
- * sums of int8_dot_blocks.c and int8_dot_kquants.c, term for term, with x's integers to 1 part in 32767 of each
+ * sums of int8_dot_blocks.c and int8_dot_kquants.c, term for term, with x's integers to 1 part in 32639 of each
  * block's largest, where 8 bits keep 1 in 127. The weights widen to int16 and meet x in pair products
  * (vpmaddwd, or VNNI's vpdpwssd): no sign trick, as both sides are signed.
  *

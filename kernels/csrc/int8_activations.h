@@ -26,13 +26,17 @@ enum { Q8_BLOCK = 32 };
 #endif
 #endif
 
+/* 16-bit tokens' largest integer: 127 * 256 + 127, so that every q is two signed bytes, 256 hi + lo with lo in
+ * [-128, 127], as AMX's tile unit takes them (amx_tiles.c); 32767 would need hi = 128. */
+enum { Q16_MAX = 32639 };
+
 /* One quantized token, as above. */
 typedef struct {
     const int8_t *q;
     const float *d, *s;
 } q8_token;
 
-/* The same with 16-bit integers (d = max |x| / 32767): x to ~1e-5, for the float32 path's tokens at most of
+/* The same with 16-bit integers (d = max |x| / Q16_MAX): x to ~1e-5, for the float32 path's tokens at most of
  * the 8-bit path's speed (int16_dot.c). */
 typedef struct {
     const int16_t *q;

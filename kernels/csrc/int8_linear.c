@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "amx_tiles.h"
 #include "int8_activations.h"
 #include "parallel.h"
 
@@ -51,24 +52,53 @@ typedef struct {
     int64_t ldy_token, ldy_row;
     const q8_token *tokens8;   /* one of these two: the tokens quantized to 8 or to 16 bits */
     const q16_token *tokens16;
+    const int8_t *pairs; /* the 16-bit tokens for the tile unit (amx_pair_tokens), AMX_TOKENS a group; or NULL */
     const uint8_t *w;
     const float *bias;
     int64_t M, blocks, row_bytes;
 } int8_job;
+
+/* y for rows [n, n + rows) and tokens [m, m + tokens) from a tile's sums (row r, token t at r * row_stride +
+ * t * token_stride), plus the bias. */
+static void store_sums(const int8_job *job, int64_t n, int rows, int64_t m, int tokens, const float *sums,
+                       int row_stride, int token_stride) {
+    for (int r = 0; r < rows; ++r)
+        for (int t = 0; t < tokens; ++t)
+            job->y[(n + r) * job->ldy_row + (m + t) * job->ldy_token] =
+                sums[r * row_stride + t * token_stride] + (job->bias ? job->bias[n + r] : 0.0f);
+}
+
+static int tokens_from(const int8_job *job, int64_t m, int most) {
+    return job->M - m < most ? (int)(job->M - m) : most;
+}
 
 /* Rows [n, n + rows) times every 16-bit token, TILE_TOKENS at a time (a row is read from L1 for every tile but
  * the first). */
 static void int16_rows(const int8_job *job, int64_t n, int rows) {
     float sums[2 * TILE_TOKENS];
     for (int64_t m = 0; m < job->M; m += TILE_TOKENS) {
-        const int tokens = job->M - m < TILE_TOKENS ? (int)(job->M - m) : TILE_TOKENS;
+        const int tokens = tokens_from(job, m, TILE_TOKENS);
         job->format->tile16(job->w + n * job->row_bytes, job->row_bytes, rows, job->tokens16 + m, tokens, job->blocks,
                             sums);
-        for (int r = 0; r < rows; ++r)
-            for (int t = 0; t < tokens; ++t)
-                job->y[(n + r) * job->ldy_row + (m + t) * job->ldy_token] =
-                    sums[r * TILE_TOKENS + t] + (job->bias ? job->bias[n + r] : 0.0f);
+        store_sums(job, n, rows, m, tokens, sums, TILE_TOKENS, 1);
     }
+}
+
+/* Row groups [begin, end) of AMX_ROWS rows times every 16-bit token, AMX_TOKENS at a time, on the tile unit. */
+static void tile_unit_rows(void *context, int64_t begin, int64_t end) {
+    const int8_job *job = context;
+    float sums[AMX_TOKENS * AMX_ROWS];
+    amx_begin();
+    for (int64_t m = 0; m < job->M; m += AMX_TOKENS) {
+        const int tokens = tokens_from(job, m, AMX_TOKENS);
+        const int8_t *pairs = job->pairs + m / AMX_TOKENS * job->blocks * AMX_PAIR_BYTES;
+        for (int64_t n = begin * AMX_ROWS; n < end * AMX_ROWS; n += AMX_ROWS) {
+            amx_tile_dot(job->format->ggml_type, job->w + n * job->row_bytes, job->row_bytes, pairs,
+                         job->tokens16 + m, tokens, job->blocks, sums);
+            store_sums(job, n, AMX_ROWS, m, tokens, sums, 1, AMX_ROWS);
+        }
+    }
+    amx_end();
 }
 
 /* Output rows [begin, end), every token: 16-bit tokens two rows at a time, 8-bit ones a row and token at a time. */
@@ -86,6 +116,11 @@ static void int8_rows(void *context, int64_t begin, int64_t end) {
     }
 }
 
+/* Tokens of group g (AMX_TOKENS a group) of M. */
+static int tokens_of_group(int64_t M, int64_t g) {
+    return M - g * AMX_TOKENS < AMX_TOKENS ? (int)(M - g * AMX_TOKENS) : AMX_TOKENS;
+}
+
 /* Whether int8_linear_f32 multiplies weights of ggml type `ggml_type`. */
 int int8_linear_supports(int ggml_type) { return format_of(ggml_type) != NULL; }
 
@@ -97,10 +132,19 @@ static int integer_linear(int bits, float *y, int64_t ldy_token, int64_t ldy_row
     if (format == NULL || K <= 0 || K % format->block_weights != 0) return -1;
     if (M <= 0) return 0;
     const int64_t blocks = K / Q8_BLOCK, value_bytes = bits / 8;
-    /* Scratch: each token's description, scales and sums (floats first, for their alignment), then integers. */
+    /* From two tokens, the tile unit where it takes the format and the rows come in its groups. */
+    const int tile_unit = bits == 16 && M >= 2 && N % AMX_ROWS == 0 && amx_tiles_for(ggml_type);
+    const int64_t token_groups = (M + AMX_TOKENS - 1) / AMX_TOKENS;
+    /* Scratch: each token's description, scales and sums (floats first, for their alignment), then integers; the
+     * tile unit's byte pairs of them apart. */
     const size_t token_bytes = sizeof(q8_token) > sizeof(q16_token) ? sizeof(q8_token) : sizeof(q16_token);
     void *scratch = malloc((size_t)M * (token_bytes + (size_t)blocks * 2 * sizeof(float) + (size_t)(K * value_bytes)));
-    if (scratch == NULL) return -2;
+    int8_t *pairs = tile_unit ? aligned_alloc(64, (size_t)(token_groups * blocks * AMX_PAIR_BYTES)) : NULL;
+    if (scratch == NULL || (tile_unit && pairs == NULL)) {
+        free(scratch);
+        free(pairs);
+        return -2;
+    }
     float *scales = (float *)((char *)scratch + (size_t)M * token_bytes);
     char *ints = (char *)(scales + 2 * M * blocks);
     q8_token *tokens8 = bits == 8 ? scratch : NULL;
@@ -110,20 +154,27 @@ static int integer_linear(int bits, float *y, int64_t ldy_token, int64_t ldy_row
         void *q = ints + m * K * value_bytes;
         if (tokens16) {
             quantize_q16(q, d, s, x + m * ldx, K);
-            if (format->nibble_order) nibble_order_q16(q, K);
+            if (format->nibble_order && !tile_unit) nibble_order_q16(q, K);
             tokens16[m] = (q16_token){q, d, s};
         } else {
             quantize_q8(q, d, s, x + m * ldx, K);
             tokens8[m] = (q8_token){q, d, s};
         }
     }
+    for (int64_t g = 0; tile_unit && g < token_groups; ++g)
+        amx_pair_tokens(pairs + g * blocks * AMX_PAIR_BYTES, tokens16 + g * AMX_TOKENS,
+                        tokens_of_group(M, g), blocks);
     const int64_t row_bytes = K / format->block_weights * format->block_bytes;
-    int8_job job = {format,   y, ldy_token, ldy_row, tokens8, tokens16, w, bias, M, K / format->block_weights,
+    int8_job job = {format, y,    ldy_token, ldy_row, tokens8, tokens16, pairs, w, bias, M, K / format->block_weights,
                     row_bytes};
     const int64_t work = K * M, least = work >= GRAIN_WEIGHTS ? 1 : GRAIN_WEIGHTS / work;
-    const int64_t grain = M == 1 ? sequential_runs_grain(N, least, num_threads) : least;
-    parallel_for(N, grain, num_threads, int8_rows, &job);
+    if (tile_unit) /* each thread's share of the row groups in two sequential runs: one tile configuration each */
+        parallel_for(N / AMX_ROWS, sequential_runs_grain(N / AMX_ROWS, 1, num_threads), num_threads,
+                     tile_unit_rows, &job);
+    else
+        parallel_for(N, M == 1 ? sequential_runs_grain(N, least, num_threads) : least, num_threads, int8_rows, &job);
     free(scratch);
+    free(pairs);
     return 0;
 }
 

@@ -3,7 +3,7 @@
  * call of int8_linear.c: O(K) work against the O(N * K) of the product it serves.
  *
  * The arithmetic is fixed so that a torch reference reproduces it bit for bit (kernels/int8_reference.py):
- * d = amax / 127 (16 bits: / 32767) and id = 1 / d, both rounded to float32; q = x * id rounded to float32, then to the nearest
+ * d = amax / 127 (16 bits: / Q16_MAX) and id = 1 / d, both rounded to float32; q = x * id rounded to float32, then to the nearest
  * integer, ties to even (the default rounding of cvtps2dq and of rintf); s = d * (float)(sum of q).
  */
 #include <math.h>
@@ -56,7 +56,7 @@ void quantize_q8(int8_t *q, float *d, float *s, const float *x, int64_t K) {
     for (int64_t b = 0; b < K / Q8_BLOCK; ++b) quantize_block(q + b * Q8_BLOCK, d + b, s + b, x + b * Q8_BLOCK);
 }
 
-/* The same with 16-bit integers: d = amax / 32767. */
+/* The same with 16-bit integers: d = amax / Q16_MAX. */
 #ifdef INT8_AVX2
 static void quantize_block16(int16_t *q, float *d, float *s, const float *x) {
     __m256 v[4];
@@ -69,7 +69,7 @@ static void quantize_block16(int16_t *q, float *d, float *s, const float *x) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float scale = _mm_cvtss_f32(m) / 32767.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const float scale = _mm_cvtss_f32(m) / (float)Q16_MAX, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
     __m256i ints[4];
     for (int i = 0; i < 4; ++i) ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inverse)));
     /* int32 -> int16 packs interleave the 128-bit lanes' quarters; a permute of quadwords restores the order. */
@@ -87,7 +87,7 @@ static void quantize_block16(int16_t *q, float *d, float *s, const float *x) {
 static void quantize_block16(int16_t *q, float *d, float *s, const float *x) {
     float amax = 0.0f;
     for (int k = 0; k < Q8_BLOCK; ++k) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
-    const float scale = amax / 32767.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const float scale = amax / (float)Q16_MAX, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
     int32_t sum = 0;
     for (int k = 0; k < Q8_BLOCK; ++k) {
         const float scaled = x[k] * inverse;
