@@ -13,7 +13,9 @@ Copy bandwidth: a 256 MiB torch copy on the same threads, as bytes read per seco
 a copy also writes as many).
 
 Where the CPU has AMX's tile unit (csrc/amx_tiles.c), int16 runs twice: on the vector unit alone ("int16") and,
-for Q8_0, Q4_0 and Q4_1 from two tokens, on the tile unit ("int16 AMX", what the engine runs there).
+for Q8_0, Q4_0 and Q4_1 from two tokens, on the tile unit ("int16 AMX", what the engine runs there). Elsewhere,
+where the AVX2 kernel is built, Q4_0 runs twice too: as the file lays it out ("int16") and with its rows
+interleaved eight at a time ("int16 r8", kernels/interleaved_rows.py: what the engine runs there).
 
 --cached: the kernels' arithmetic alone, as a busy machine still measures it: one thread, a 1024 x 2048 weight
 that stays in cache, the thread's CPU time (not the wall clock) per 32 weights and token, best of a few rounds.
@@ -35,6 +37,7 @@ import torch
 
 from benchmarks.quantized_linear import cpu_model
 from pagedserve.kernels.cpu_native import native_function
+from pagedserve.kernels.interleaved_rows import interleave_rows, rows8_kernel_built
 from pagedserve.kernels.quantized import (
     QuantizedLinear,
     QuantizedWeight,
@@ -53,6 +56,7 @@ SAMPLES = 9
 COPY_BYTES = 256 << 20
 ROWS_CACHED = 1024  # x 2048: 1.1-1.7 MiB of blocks, in a Zen 4 core's 2 MiB L2
 KERNEL_PATHS = {0: "portable C", 1: "AVX2", 2: "AVX-512 VNNI"}
+INTERLEAVED = "int16 r8"
 
 
 def layers_of(qtype: str) -> list[QuantizedWeight]:
@@ -77,6 +81,11 @@ def kernel_of(path: str) -> QuantizedLinear:
     return kernel
 
 
+def laid_out(weights: list[QuantizedWeight], path: str) -> list[QuantizedWeight]:
+    """The weights as `path` reads them: interleaved for "int16 r8", else as stored."""
+    return [interleave_rows(w) for w in weights] if path == INTERLEAVED else weights
+
+
 def pass_seconds(weights: list[QuantizedWeight], x: dict[int, torch.Tensor], path: str) -> float:
     kernel = kernel_of(path)
     outs = {w.shape: torch.empty(x[w.shape[1]].shape[0], w.shape[0]) for w in weights}
@@ -86,22 +95,27 @@ def pass_seconds(weights: list[QuantizedWeight], x: dict[int, torch.Tensor], pat
     return time.perf_counter() - start
 
 
-def paths() -> tuple[str, ...]:
-    """The products measured: each activation dtype's, and int16's on the tile unit where there is one."""
-    return ("float32", "int8", "int16", *(("int16 AMX",) if tile_unit_takes("q4_0") else ()))
+def paths(qtype: str = "q4_0") -> tuple[str, ...]:
+    """The products measured: each activation dtype's, and int16's on the tile unit where there is one, or on
+    interleaved Q4_0 where its kernel is built and the engine lays Q4_0 out so (engine/worker/kernel_layouts.py)."""
+    if tile_unit_takes("q4_0"):
+        return ("float32", "int8", "int16", "int16 AMX")
+    return ("float32", "int8", "int16", *((INTERLEAVED,) if qtype == "q4_0" and rows8_kernel_built() else ()))
 
 
 def gb_per_second(weights: list[QuantizedWeight], tokens: int) -> list[float]:
     """Weight bytes per second over all layers for each of paths(), interleaved medians."""
     x = {k: torch.randn(tokens, k) for k in {w.shape[1] for w in weights}}
-    times: dict[str, list[float]] = {path: [] for path in paths()}
+    measured = paths(weights[0].qtype)
+    variants = {path: laid_out(weights, path) for path in measured}
+    times: dict[str, list[float]] = {path: [] for path in measured}
     for dtype in times:
-        pass_seconds(weights, x, dtype)  # warm-up
+        pass_seconds(variants[dtype], x, dtype)  # warm-up
     for _ in range(SAMPLES):
         for dtype, elapsed in times.items():
-            elapsed.append(pass_seconds(weights, x, dtype))
+            elapsed.append(pass_seconds(variants[dtype], x, dtype))
     nbytes = sum(w.nbytes for w in weights)
-    return [nbytes / statistics.median(times[path]) / 1e9 for path in paths()]
+    return [nbytes / statistics.median(times[path]) / 1e9 for path in measured]
 
 
 def copy_gb_per_second() -> float:
@@ -121,29 +135,41 @@ def cached_ns_per_block(qtype: str, tokens: int, rounds: int = 7, calls: int = 5
     """One thread's CPU nanoseconds per 32 weights and token for each of paths(), the weight in cache (--cached)."""
     weight = quantize(torch.randn(ROWS_CACHED, 2048, generator=torch.Generator().manual_seed(0)) * 0.02, qtype)
     x, out = torch.randn(tokens, 2048), torch.empty(tokens, ROWS_CACHED)
-    best = dict.fromkeys(paths(), float("inf"))
+    best = dict.fromkeys(paths(qtype), float("inf"))
+    variants = {path: laid_out([weight], path)[0] for path in best}
     for _ in range(rounds):
         for dtype in best:
             kernel = kernel_of(dtype)
-            kernel(x, weight, None, out)
+            kernel(x, variants[dtype], None, out)
             start = time.thread_time()
             for _ in range(calls):
-                kernel(x, weight, None, out)
+                kernel(x, variants[dtype], None, out)
             best[dtype] = min(best[dtype], (time.thread_time() - start) / calls)
     blocks = ROWS_CACHED * 2048 / 32 * tokens
     return [best[dtype] / blocks * 1e9 for dtype in best]
 
 
+def extra_path() -> str | None:
+    """The product measured beside the three dtypes' where there is one (a column of its own): "int16 AMX" or
+    "int16 r8"; formats it does not take show "-" there."""
+    measured = paths("q4_0")
+    return measured[3] if len(measured) > 3 else None
+
+
 def print_cached(formats: list[str], token_counts: list[int]) -> None:
     torch.set_num_threads(1)
-    amx = len(paths()) > 3
-    print("| format | tokens | float32 ns | int8 ns | int16 ns | int16 / float32 time |" + amx * " int16 AMX ns |")
-    print("|---|---:|---:|---:|---:|---:|" + amx * "---:|")
+    extra = extra_path()
+    print(
+        "| format | tokens | float32 ns | int8 ns | int16 ns | int16 / float32 time |"
+        + (f" {extra} ns |" if extra else "")
+    )
+    print("|---|---:|---:|---:|---:|---:|" + ("---:|" if extra else ""))
     for qtype in formats:
         for tokens in token_counts:
-            float_ns, int8_ns, int16_ns, *amx_ns = cached_ns_per_block(qtype, tokens)
+            float_ns, int8_ns, int16_ns, *extra_ns = cached_ns_per_block(qtype, tokens)
+            cells = "".join(f" {ns:.2f} |" for ns in extra_ns) or (" - |" if extra else "")
             print(f"| {qtype.upper()} | {tokens} | {float_ns:.2f} | {int8_ns:.2f} | {int16_ns:.2f} | "
-                  f"{int16_ns / float_ns:.2f} |" + "".join(f" {ns:.2f} |" for ns in amx_ns))  # fmt: skip
+                  f"{int16_ns / float_ns:.2f} |" + cells)  # fmt: skip
 
 
 def main() -> None:
@@ -180,18 +206,19 @@ def main() -> None:
         f"{started:%Y-%m-%d %H:%M} UTC; 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
     print(f"copy bandwidth: {copy_before:.1f} GB/s read (before), {copy_after:.1f} (after)\n")
-    amx = len(paths()) > 3
+    extra = extra_path()
     print(
         "| format | tokens | float32 GB/s | int8 GB/s | int16 GB/s | int8 / float32 | int16 / float32 | int16 / copy |"
-        + amx * " int16 AMX GB/s | AMX / int16 |"
+        + (f" {extra} GB/s | {extra} / int16 | {extra} / copy |" if extra else "")
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|" + amx * "---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if extra else ""))
     copy = max(copy_before, copy_after)
-    for qtype, tokens, float_gbs, int8_gbs, int16_gbs, *amx_gbs in rows:
+    for qtype, tokens, float_gbs, int8_gbs, int16_gbs, *extra_gbs in rows:
+        cells = "".join(f" {gbs:.1f} | {gbs / int16_gbs:.2f} | {gbs / copy:.0%} |" for gbs in extra_gbs)
         print(
             f"| {qtype.upper()} | {tokens} | {float_gbs:.1f} | {int8_gbs:.1f} | {int16_gbs:.1f} | "
             f"{int8_gbs / float_gbs:.2f} | {int16_gbs / float_gbs:.2f} | {int16_gbs / copy:.0%} |"
-            + "".join(f" {gbs:.1f} | {gbs / int16_gbs:.2f} |" for gbs in amx_gbs)
+            + (cells or (" - | - | - |" if extra else ""))
         )
     allow_tile_unit(True)
 

@@ -61,6 +61,13 @@ FORMATS: dict[str, BlockFormat] = {
 }
 
 
+# Layouts a CPU kernel re-lays a format into once loaded (kernels/interleaved_rows.py): no file stores them, so
+# they are not FORMATS (what a file or `quantization` may name); type ids past ggml's.
+KERNEL_LAYOUTS: dict[str, BlockFormat] = {
+    "q4_0_r8": BlockFormat(ggml_type=1002, block_bytes=18),  # Q4_0, rows interleaved eight at a time
+}
+
+
 @dataclass(frozen=True, eq=False)  # eq=False: comparing tensors elementwise is not equality
 class QuantizedWeight:
     """A linear layer's weight [out, in] as ggml blocks: `blocks` is uint8 [out, in / block_weights *
@@ -114,7 +121,9 @@ class QuantizedWeight:
 
 
 def block_format(qtype: str) -> BlockFormat:
-    """The format named `qtype`; ValueError for a name this module does not know."""
+    """The format (or kernel layout) named `qtype`; ValueError for a name this module does not know."""
+    if qtype in KERNEL_LAYOUTS:
+        return KERNEL_LAYOUTS[qtype]
     if qtype not in FORMATS:
         raise ValueError(f"unknown quantization type {qtype!r}: expected one of {', '.join(FORMATS)}")
     return FORMATS[qtype]

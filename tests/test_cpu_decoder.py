@@ -135,22 +135,19 @@ def test_native_forward_takes_q_k_v_of_different_formats(mixed_qkv_gguf: Path) -
 # --- 8-bit activations --------------------------------------------------------------------------------------
 
 
-def assert_integer_path_follows_the_modules(engine: LLMEngine, dtype: str) -> None:
+def assert_integer_path_follows_the_modules(config: EngineConfig) -> None:
     """Both paths on integer activations: the same tokens, and logprobs as close as the roundings of x allow
     (decided on float32 inputs that differ by rounding between the paths, one may land a step apart). And not the
-    float32 path's logprobs: the native forward does quantize. As many prompts as decode steps of fewer than
-    integer_max_tokens(dtype) tokens allow (int8: two; int16: all three)."""
+    float32 path's logprobs (an engine of its own: int16 may have laid Q4_0 out for its kernel alone,
+    engine/worker/kernel_layouts.py): the native forward does quantize. As many prompts as decode steps of fewer
+    than integer_max_tokens(dtype) tokens allow (int8: two; int16: all three)."""
+    dtype = config.activation_dtype
+    engine = LLMEngine(config)
     decoder = engine.runner.model.native_decoder
     assert decoder is not None and decoder.int8_max_tokens == integer_max_tokens(dtype)
     prompts = PROMPTS[: integer_max_tokens(dtype) - 1]
     native, modules = both_ways(engine, prompts)
-    engine.runner.model.backend.activation_dtype = FLOAT32
-    decoder.int8_max_tokens = 0
-    try:
-        float32, _ = both_ways(engine, prompts)
-    finally:
-        engine.runner.model.backend.activation_dtype = dtype
-        decoder.int8_max_tokens = integer_max_tokens(dtype)
+    float32, _ = both_ways(LLMEngine(config.replace(activation_dtype=FLOAT32)), prompts)
     for i in native:
         assert native[i][0] == modules[i][0]
         assert native[i][1] == pytest.approx(modules[i][1], abs=1e-2 if dtype == "int8" else 1e-4)
@@ -162,8 +159,9 @@ def assert_integer_path_follows_the_modules(engine: LLMEngine, dtype: str) -> No
 def test_native_forward_takes_integer_activations(
     tiny_model_dir: Callable[[str], Path], family: str, qtype: str, dtype: str
 ) -> None:
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(family)), quantization=qtype, activation_dtype=dtype))
-    assert_integer_path_follows_the_modules(engine, dtype)
+    assert_integer_path_follows_the_modules(
+        EngineConfig(model=str(tiny_model_dir(family)), quantization=qtype, activation_dtype=dtype)
+    )
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int16"])
@@ -171,8 +169,9 @@ def test_native_forward_takes_integer_activations(
 def test_native_forward_takes_integer_activations_with_k_quants(
     k_quant_sized_llama: Path, qtype: str, dtype: str
 ) -> None:
-    engine = LLMEngine(EngineConfig(model=str(k_quant_sized_llama), quantization=qtype, activation_dtype=dtype))
-    assert_integer_path_follows_the_modules(engine, dtype)
+    assert_integer_path_follows_the_modules(
+        EngineConfig(model=str(k_quant_sized_llama), quantization=qtype, activation_dtype=dtype)
+    )
 
 
 def test_smollm2_decodes_eight_streams_on_int16_tiles_as_on_float32() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.batch import BlockTables
+from pagedserve.engine.worker.kernel_layouts import lay_out_for_kernels
 from pagedserve.engine.worker.kv_caches import allocate_kv_caches
 from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.model_loader import load_model
@@ -40,5 +41,6 @@ def load_draft_runner(
     # rows aside: kernels/quantized.py), and the draft decodes a token a step: with the target's activations it
     # proposes what the verification computes (the target as its own draft: every proposal accepted).
     use_activation_dtype(draft.backend, config.activation_dtype)
+    lay_out_for_kernels(draft.model, draft.backend)
     caches = allocate_kv_caches(draft.rank_spec, num_blocks, block_tables.block_size, draft.dtype, draft.device)
     return draft, ModelRunner(draft.model, draft.backend, block_tables, caches, draft.device)

@@ -29,7 +29,7 @@ from pagedserve.kernels.backend import KernelBackend
 from pagedserve.kernels.cpu_attention import plan_attention
 from pagedserve.kernels.cpu_backend import CpuBackend
 from pagedserve.kernels.cpu_native import VECTOR_LANES, native_function
-from pagedserve.kernels.quantized import FORMATS, QuantizedWeight, int8_linear_kernel, integer_max_tokens
+from pagedserve.kernels.quantized import QuantizedWeight, block_format, int8_linear_kernel, integer_max_tokens
 from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 
 if TYPE_CHECKING:
@@ -267,7 +267,7 @@ def _describe(layer: LlamaDecoderLayer, cache: KVCache) -> _Layer:
 
 def _block_weight(weight: ProjectionWeight | None) -> _BlockWeight:
     assert isinstance(weight, QuantizedWeight)
-    return _BlockWeight(blocks=weight.blocks.data_ptr(), type=FORMATS[weight.qtype].ggml_type)
+    return _BlockWeight(blocks=weight.blocks.data_ptr(), type=block_format(weight.qtype).ggml_type)
 
 
 def _qkv_parts_apply(weight: ProjectionWeight | None, attention: torch.nn.Module) -> bool:

@@ -20,6 +20,7 @@
 #include "amx_tiles.h"
 #include "int8_activations.h"
 #include "parallel.h"
+#include "q4_0_rows8.h"
 
 /* One weight format: ggml's type id, its block, its row dots with 8-bit activations and its tile dots with
  * 16-bit ones, and whether those read x in nibble order (nibble_order_q16). */
@@ -35,6 +36,7 @@ static const int8_format FORMATS[] = {
     {8, 32, 34, int8_dot_q8_0, int16_tile_q8_0, 0},    {2, 32, 18, int8_dot_q4_0, int16_tile_q4_0, 1},
     {3, 32, 20, int8_dot_q4_1, int16_tile_q4_1, 1},    {12, 256, 144, int8_dot_q4_k, int16_tile_q4_k, 0},
     {13, 256, 176, int8_dot_q5_k, int16_tile_q5_k, 0}, {14, 256, 210, int8_dot_q6_k, int16_tile_q6_k, 0},
+    {ROWS8_GGML_TYPE, 32, 18, NULL, NULL, 0}, /* 16-bit tokens only, a group of rows at a time (q4_0_rows8.c) */
 };
 
 /* Weights a unit of parallel work holds at least when many tokens share each row (as block_rows.c). */
@@ -116,13 +118,29 @@ static void int8_rows(void *context, int64_t begin, int64_t end) {
     }
 }
 
+/* Tokens q4_0_rows8_tile takes at once. */
+enum { ROWS8_TOKENS = 4 };
+
+/* Row groups [begin, end) of Q4_0 interleaved by ROW_GROUP rows, every 16-bit token ROWS8_TOKENS at a time (a
+ * group's rows read from L1 or L2 for every tile but the first). */
+static void rows8_groups(void *context, int64_t begin, int64_t end) {
+    const int8_job *job = context;
+    float sums[ROWS8_TOKENS * ROW_GROUP];
+    for (int64_t g = begin; g < end; ++g)
+        for (int64_t m = 0; m < job->M; m += ROWS8_TOKENS) {
+            const int tokens = tokens_from(job, m, ROWS8_TOKENS);
+            q4_0_rows8_tile(job->w + g * ROW_GROUP * job->row_bytes, job->blocks, job->tokens16 + m, tokens, sums);
+            store_sums(job, g * ROW_GROUP, ROW_GROUP, m, tokens, sums, 1, ROW_GROUP);
+        }
+}
+
 /* Tokens of group g (AMX_TOKENS a group) of M. */
 static int tokens_of_group(int64_t M, int64_t g) {
     return M - g * AMX_TOKENS < AMX_TOKENS ? (int)(M - g * AMX_TOKENS) : AMX_TOKENS;
 }
 
-/* Whether int8_linear_f32 multiplies weights of ggml type `ggml_type`. */
-int int8_linear_supports(int ggml_type) { return format_of(ggml_type) != NULL; }
+/* Whether int8_linear_f32 multiplies weights of ggml type `ggml_type` (interleaved Q4_0 only meets 16 bits). */
+int int8_linear_supports(int ggml_type) { return format_of(ggml_type) != NULL && ggml_type != ROWS8_GGML_TYPE; }
 
 /* int8_linear_f32 (below) with x quantized to `bits` (8 or 16) bits. */
 static int integer_linear(int bits, float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx,
@@ -130,6 +148,8 @@ static int integer_linear(int bits, float *y, int64_t ldy_token, int64_t ldy_row
                           int num_threads) {
     const int8_format *format = format_of(ggml_type);
     if (format == NULL || K <= 0 || K % format->block_weights != 0) return -1;
+    const int rows8 = ggml_type == ROWS8_GGML_TYPE;
+    if (rows8 && (bits != 16 || N % ROW_GROUP != 0)) return -1;
     if (M <= 0) return 0;
     const int64_t blocks = K / Q8_BLOCK, value_bytes = bits / 8;
     /* From two tokens, the tile unit where it takes the format and the rows come in its groups. */
@@ -168,7 +188,12 @@ static int integer_linear(int bits, float *y, int64_t ldy_token, int64_t ldy_row
     int8_job job = {format, y,    ldy_token, ldy_row, tokens8, tokens16, pairs, w, bias, M, K / format->block_weights,
                     row_bytes};
     const int64_t work = K * M, least = work >= GRAIN_WEIGHTS ? 1 : GRAIN_WEIGHTS / work;
-    if (tile_unit) /* each thread's share of the row groups in two sequential runs: one tile configuration each */
+    if (rows8)
+        parallel_for(N / ROW_GROUP,
+                     M == 1 ? sequential_runs_grain(N / ROW_GROUP, 1 + least / ROW_GROUP, num_threads)
+                            : 1 + least / ROW_GROUP,
+                     num_threads, rows8_groups, &job);
+    else if (tile_unit) /* each thread's share of the row groups in two sequential runs: one tile configuration each */
         parallel_for(N / AMX_ROWS, sequential_runs_grain(N / AMX_ROWS, 1, num_threads), num_threads,
                      tile_unit_rows, &job);
     else

@@ -22,6 +22,7 @@ from pagedserve.engine.worker.distributed.group import TensorParallelGroup
 from pagedserve.engine.worker.distributed.launcher import CONFIG_KEY, LOG_LEVEL_KEY, threads_per_rank
 from pagedserve.engine.worker.distributed.liveness import start_heartbeat
 from pagedserve.engine.worker.distributed.rendezvous import Rendezvous, connect_store, join_group, rank_device
+from pagedserve.engine.worker.kernel_layouts import lay_out_for_kernels
 from pagedserve.engine.worker.kv_caches import allocate_kv_caches
 from pagedserve.engine.worker.kv_groups import model_kv_groups
 from pagedserve.engine.worker.model_loader import LoadedModel, load_model, resolve_device
@@ -38,6 +39,7 @@ class Follower:
         self.config = config
         self.loaded = loaded
         use_activation_dtype(loaded.backend, config.activation_dtype)
+        lay_out_for_kernels(loaded.model, loaded.backend)
         self.group = group
         self.runner: ShardRunner | None = None
 
