@@ -14,8 +14,8 @@ a copy also writes as many).
 
 Where the CPU has AMX's tile unit (csrc/amx_tiles.c), int16 runs twice: on the vector unit alone ("int16") and,
 for Q8_0, Q4_0 and Q4_1 from two tokens, on the tile unit ("int16 AMX", what the engine runs there). Elsewhere,
-where the AVX2 kernel is built, Q4_0 runs twice too: as the file lays it out ("int16") and with its rows
-interleaved eight at a time ("int16 r8", kernels/interleaved_rows.py: what the engine runs there).
+where the AVX2 kernels are built, Q4_0 and Q4_K run twice too: as the file lays them out ("int16") and with their
+rows interleaved eight at a time ("int16 r8", kernels/interleaved_rows.py: what the engine runs there).
 
 --cached: the kernels' arithmetic alone, as a busy machine still measures it: one thread, a 1024 x 2048 weight
 that stays in cache, the thread's CPU time (not the wall clock) per 32 weights and token, best of a few rounds.
@@ -37,6 +37,7 @@ import torch
 
 from benchmarks.quantized_linear import cpu_model
 from pagedserve.kernels.cpu_native import native_function
+from pagedserve.kernels.interleaved_rows import INTERLEAVED as LAYOUTS
 from pagedserve.kernels.interleaved_rows import interleave_rows, rows8_kernel_built
 from pagedserve.kernels.quantized import (
     QuantizedLinear,
@@ -100,7 +101,8 @@ def paths(qtype: str = "q4_0") -> tuple[str, ...]:
     interleaved Q4_0 where its kernel is built and the engine lays Q4_0 out so (engine/worker/kernel_layouts.py)."""
     if tile_unit_takes("q4_0"):
         return ("float32", "int8", "int16", "int16 AMX")
-    return ("float32", "int8", "int16", *((INTERLEAVED,) if qtype == "q4_0" and rows8_kernel_built() else ()))
+    laid_out_here = qtype in LAYOUTS and rows8_kernel_built()
+    return ("float32", "int8", "int16", *((INTERLEAVED,) if laid_out_here else ()))
 
 
 def gb_per_second(weights: list[QuantizedWeight], tokens: int) -> list[float]:

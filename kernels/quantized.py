@@ -37,7 +37,7 @@ from pagedserve.kernels.block_formats import (
     block_format,
 )
 from pagedserve.kernels.cpu_native import bound_kernel, native_function
-from pagedserve.kernels.interleaved_rows import ROWS8, deinterleave_rows
+from pagedserve.kernels.interleaved_rows import STORED, deinterleave_rows
 from pagedserve.kernels.quantized_reference import dequantize, dequantize_rows, quantize
 
 __all__ = [
@@ -149,7 +149,7 @@ def _kernel_for(tokens: int, weight: QuantizedWeight, activation_dtype: str) -> 
     library)."""
     if activation_dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"activation_dtype must be one of {ACTIVATION_DTYPES}, got {activation_dtype!r}")
-    if weight.qtype == ROWS8:  # laid out for the 16-bit product alone, at any count (kernels/interleaved_rows.py)
+    if weight.qtype in STORED:  # laid out for the 16-bit product alone, at any count (kernels/interleaved_rows.py)
         return int8_linear_kernel(sixteen_bits=True)
     if tokens < integer_max_tokens(activation_dtype) and weight.qtype in int8_formats():
         return int8_linear_kernel(activation_dtype == "int16") or quantized_linear_kernel()
@@ -221,8 +221,8 @@ def _native_functions(symbols: dict[int, str], argtypes: list[Any]) -> NativeFun
 
 def _native_dequantize(functions: NativeFunctions, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """Contiguous rows of blocks [rows, row_bytes] as float32 [rows, in]."""
-    if qtype == ROWS8:
-        blocks, qtype = deinterleave_rows(blocks), "q4_0"
+    if qtype in STORED:
+        blocks, qtype = deinterleave_rows(blocks, qtype), STORED[qtype]
     fmt = FORMATS[qtype]
     rows, in_features = blocks.shape[0], blocks.shape[1] // fmt.block_bytes * fmt.block_weights
     out = torch.empty(rows, in_features)

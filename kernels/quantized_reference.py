@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.kernels.block_formats import FORMATS, SUPER_BLOCK, QuantizedWeight, block_format
-from pagedserve.kernels.interleaved_rows import ROWS8, deinterleave_rows
+from pagedserve.kernels.interleaved_rows import STORED, deinterleave_rows
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
@@ -23,9 +23,9 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
 
 def dequantize_rows(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """Rows of blocks [rows, row_bytes] as float32 [rows, in], computed as gguf-py does (same float32 ops in the
-    same order), so that the two agree bit for bit. Interleaved Q4_0 (ROWS8) as the Q4_0 rows it holds."""
-    if qtype == ROWS8:
-        blocks, qtype = deinterleave_rows(blocks), "q4_0"
+    same order), so that the two agree bit for bit. An interleaved layout as the rows of its format it holds."""
+    if qtype in STORED:
+        blocks, qtype = deinterleave_rows(blocks, qtype), STORED[qtype]
     rows, fmt = blocks.shape[0], FORMATS[qtype]
     grouped = blocks.view(rows, -1, fmt.block_bytes)  # [rows, in / block_weights, block_bytes]
     if fmt.block_weights == SUPER_BLOCK:

@@ -1,6 +1,7 @@
-"""Q4_0 with rows interleaved eight at a time (kernels/interleaved_rows.py, csrc/q4_0_rows8.c): the layout against
-its torch reference, its 16-bit product against the reference of that arithmetic (kernels/int8_reference.py) and
-the row-at-a-time kernel, and the engine laying a model's weights out only where it pays."""
+"""Q4_0 and Q4_K with rows interleaved eight at a time (kernels/interleaved_rows.py, csrc/q4_0_rows8.c,
+csrc/q4_k_rows8.c): the layouts against their torch reference, their 16-bit products against the reference of
+that arithmetic (kernels/int8_reference.py) and the row-at-a-time kernels, and the engine laying a model's weights
+out only where it pays."""
 
 from __future__ import annotations
 
@@ -18,38 +19,44 @@ from pagedserve.engine.worker.kernel_layouts import lay_out_for_kernels
 from pagedserve.engine.worker.models.layers import Linear
 from pagedserve.kernels.int8_reference import int8_linear_reference
 from pagedserve.kernels.interleaved_rows import (
-    ROWS8,
+    INTERLEAVED,
     deinterleave_rows,
     interleave_reference,
     interleave_rows,
     rows8_kernel_built,
 )
-from pagedserve.kernels.quantized import dequantize, int8_linear_kernel, quantize, quantized_linear
-from tests.test_cpu_decoder import generate
+from pagedserve.kernels.quantized import QuantizedWeight, dequantize, int8_linear_kernel, quantize, quantized_linear
+from tests.test_cpu_decoder import generate, k_quant_sized_llama  # noqa: F401 (a fixture)
 from tests.test_int8_activations import activations, integer_product
 from tests.test_kernels_quantized import random_weight
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 # Any count: tiles of four tokens (csrc/int8_linear.c's ROWS8_TOKENS), whole and cut short, and prefill's sizes.
 TOKENS = (1, 2, 3, 4, 5, 8, 9, 17, 40)
+QTYPES = tuple(INTERLEAVED)
 
 
-def q4_0_weight(out_features: int = 48, in_features: int = 768, seed: int = 4) -> torch.Tensor:
-    return quantize(random_weight(out_features, in_features, seed=seed), "q4_0")
+def weight_of(qtype: str, out_features: int = 48, in_features: int = 768, seed: int = 4) -> QuantizedWeight:
+    return quantize(random_weight(out_features, in_features, seed=seed), qtype)
 
 
-def test_the_native_interleave_is_the_reference_and_reverses() -> None:
-    weight = q4_0_weight(out_features=24, in_features=96)
+def q4_0_weight(out_features: int = 48, in_features: int = 768) -> QuantizedWeight:
+    return weight_of("q4_0", out_features, in_features)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_the_native_interleave_is_the_reference_and_reverses(qtype: str) -> None:
+    weight = weight_of(qtype, out_features=24, in_features=512)
     laid_out = interleave_rows(weight)
-    assert laid_out.qtype == ROWS8 and laid_out.shape == weight.shape
+    assert laid_out.qtype == INTERLEAVED[qtype] and laid_out.shape == weight.shape
     assert laid_out.blocks.data_ptr() != weight.blocks.data_ptr()
-    assert torch.equal(laid_out.blocks, interleave_reference(weight.blocks))
+    assert torch.equal(laid_out.blocks, interleave_reference(weight.blocks, qtype))
     assert not torch.equal(laid_out.blocks, weight.blocks)
-    assert torch.equal(deinterleave_rows(laid_out.blocks), weight.blocks)
+    assert torch.equal(deinterleave_rows(laid_out.blocks, laid_out.qtype), weight.blocks)
     assert torch.equal(dequantize(laid_out), dequantize(weight))  # every reader of the file's layout still can
 
 
-def test_the_layout_puts_each_rows_bytes_where_the_kernel_reads_them() -> None:
+def test_the_q4_0_layout_puts_each_rows_bytes_where_the_kernel_reads_them() -> None:
     """Group 0, block 1: the eight rows' scales first, then chunk k = bytes 2k and 2k + 1 of each row's nibbles."""
     weight = q4_0_weight(out_features=16, in_features=128)
     laid_out = interleave_rows(weight).blocks.flatten()
@@ -62,18 +69,37 @@ def test_the_layout_puts_each_rows_bytes_where_the_kernel_reads_them() -> None:
             assert torch.equal(group_block[at : at + 2], rows[r, 18 + 2 + 2 * k : 18 + 4 + 2 * k])
 
 
-@pytest.mark.parametrize("qtype_or_rows", [("q8_0", 16), ("q4_0", 12)])
-def test_only_q4_0_in_whole_groups_of_rows_interleaves(qtype_or_rows: tuple[str, int]) -> None:
+def test_the_q4_k_layout_puts_each_rows_bytes_where_the_kernel_reads_them() -> None:
+    """Super-block 1 of group 0: d, dmin, the scales' three words, then chunk 16j + k = bytes 2k and 2k + 1 of
+    each row's segment j of nibbles."""
+    weight = weight_of("q4_k", out_features=16, in_features=512)
+    super_block = interleave_rows(weight).blocks.flatten()[1152 : 2 * 1152]
+    for r in range(8):
+        row = weight.blocks[r, 144 : 2 * 144]
+        assert torch.equal(super_block[2 * r : 2 * r + 2], row[0:2])
+        assert torch.equal(super_block[16 + 2 * r : 18 + 2 * r], row[2:4])
+        for word in range(3):
+            at = 32 + 32 * word + 4 * r
+            assert torch.equal(super_block[at : at + 4], row[4 + 4 * word : 8 + 4 * word])
+        for j in range(4):
+            for k in range(16):
+                at = 128 + 16 * (16 * j + k) + 2 * r
+                assert torch.equal(super_block[at : at + 2], row[16 + 32 * j + 2 * k : 18 + 32 * j + 2 * k])
+
+
+@pytest.mark.parametrize("qtype_or_rows", [("q8_0", 16), ("q6_k", 16), ("q4_0", 12), ("q4_k", 4)])
+def test_only_formats_with_a_layout_in_whole_groups_of_rows_interleave(qtype_or_rows: tuple[str, int]) -> None:
     qtype, rows = qtype_or_rows
     with pytest.raises(ValueError, match="interleave"):
-        interleave_rows(quantize(random_weight(rows, 128, seed=1), qtype))
+        interleave_rows(quantize(random_weight(rows, 256, seed=1), qtype))
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_the_interleaved_product_is_the_reference(tokens: int) -> None:
+def test_the_interleaved_product_is_the_reference(qtype: str, tokens: int) -> None:
     """The arithmetic of the 16-bit product (x to 16 bits a block, exact integer dots, scaled once a block), as
     the row-at-a-time kernel computes it: the same to float32 rounding, on x with outliers and a zero block."""
-    weight = q4_0_weight()
+    weight = weight_of(qtype)
     x, bias = activations(tokens), torch.randn(48)
     out = quantized_linear(x, interleave_rows(weight), bias, activation_dtype="int16")
     expected = int8_linear_reference(x, weight, bias, bits=16)
@@ -108,38 +134,44 @@ def projection_qtypes(engine: LLMEngine) -> set[str]:
     return {m.quantized.qtype for m in engine.runner.model.modules() if isinstance(m, Linear) and m.quantized}
 
 
-@pytest.mark.skipif(not rows8_kernel_built(), reason="the layout pays only with the AVX2 kernel")
-def test_the_engine_lays_q4_0_out_for_int16_alone_and_decodes_as_before(
-    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+@pytest.fixture
+def model_of(tiny_model_dir: Callable[[str], Path], request: pytest.FixtureRequest) -> Callable[[str], str]:
+    """A checkpoint whose projections `quantization=qtype` quantizes (K-quants need inputs of 256s)."""
+    return lambda qtype: str(
+        request.getfixturevalue("k_quant_sized_llama") if qtype == "q4_k" else tiny_model_dir("llama")
+    )
+
+
+@pytest.mark.skipif(not rows8_kernel_built(), reason="the layouts pay only with the AVX2 kernels")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_the_engine_lays_projections_out_for_int16_alone_and_decodes_as_before(
+    model_of: Callable[[str], str], qtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """int16 on a CPU without AMX's tile unit: every Q4_0 projection interleaved, greedy tokens those of the
-    row-at-a-time kernels on the file's layout, logprobs within float32 rounding. float32: nothing re-laid."""
-    model = str(tiny_model_dir("llama"))
+    """int16 on a CPU whose tile unit does not take the format: every projection interleaved, greedy tokens those
+    of the row-at-a-time kernels on the file's layout, logprobs within float32 rounding. float32: nothing
+    re-laid."""
+    config = EngineConfig(model=model_of(qtype), quantization=qtype, activation_dtype="int16")
     prompts = [list(range(100, 108)), list(range(300, 340)), list(range(1000, 1003))]
     monkeypatch.setattr(kernel_layouts, "tile_unit_takes", lambda qtype: False)
-    laid_out = LLMEngine(EngineConfig(model=model, quantization="q4_0", activation_dtype="int16"))
-    assert projection_qtypes(laid_out) == {ROWS8}
+    laid_out = LLMEngine(config)
+    assert projection_qtypes(laid_out) == {INTERLEAVED[qtype]}
     interleaved = generate(laid_out, prompts)
     monkeypatch.setattr(kernel_layouts, "interleaving_pays", lambda backend: False)
-    as_stored = LLMEngine(EngineConfig(model=model, quantization="q4_0", activation_dtype="int16"))
-    assert projection_qtypes(as_stored) == {"q4_0"}
+    as_stored = LLMEngine(config)
+    assert projection_qtypes(as_stored) == {qtype}
     row_at_a_time = generate(as_stored, prompts)
     for i in interleaved:
         assert interleaved[i][0] == row_at_a_time[i][0]
         assert interleaved[i][1] == pytest.approx(row_at_a_time[i][1], abs=1e-4)
     monkeypatch.undo()
-    float32 = LLMEngine(EngineConfig(model=model, quantization="q4_0", activation_dtype="float32"))
-    assert projection_qtypes(float32) == {"q4_0"}
+    float32 = LLMEngine(config.replace(activation_dtype="float32"))
+    assert projection_qtypes(float32) == {qtype}
     assert lay_out_for_kernels(float32.runner.model, float32.runner.model.backend) == 0
 
 
-def test_the_tile_unit_keeps_the_files_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where AMX takes Q4_0 (it reads the file's layout), int16 lays nothing out."""
-
-    class Backend:
-        activation_dtype = "int16"
-
+def test_a_format_the_tile_unit_takes_keeps_the_files_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where AMX takes Q4_0 (it reads the file's layout), int16 leaves Q4_0 as stored and still lays Q4_K out."""
     monkeypatch.setattr(kernel_layouts, "tile_unit_takes", lambda qtype: qtype == "q4_0")
-    assert not kernel_layouts.interleaving_pays(Backend())  # type: ignore[arg-type]
-    monkeypatch.setattr(kernel_layouts, "tile_unit_takes", lambda qtype: False)
-    assert kernel_layouts.interleaving_pays(Backend()) == rows8_kernel_built()  # type: ignore[arg-type]
+    q4_0, q4_k = weight_of("q4_0", in_features=256), weight_of("q4_k", in_features=256)
+    assert kernel_layouts._interleaved(q4_0) is q4_0
+    assert kernel_layouts._interleaved(q4_k).qtype == INTERLEAVED["q4_k"]

@@ -1,11 +1,11 @@
 """A loaded model's CPU block weights re-laid, once, for the kernels its activation dtype chooses.
 
-With int16 activations on a CPU with AVX2, Q4_0 projections multiply faster with their rows interleaved eight at
-a time (kernels/interleaved_rows.py): each one is copied into that layout (the same bytes, another order) and
-the file's layout dropped, a weight at a time, so the process never holds more than one extra weight. Where AMX's
-tile unit takes Q4_0 (it reads the file's layout), with float32 activations, and for the weights the layout does
-not cover (other formats, a row count not a multiple of eight, a tied head whose blocks embedding lookups read),
-nothing changes.
+With int16 activations on a CPU with AVX2, Q4_0 and Q4_K projections multiply faster with their rows interleaved
+eight at a time (kernels/interleaved_rows.py): each one is copied into that layout (the same bytes, another order)
+and the file's layout dropped, a weight at a time, so the process never holds more than one extra weight. Where
+AMX's tile unit takes a format (it reads the file's layout: Q4_0 there), with float32 activations, and for the
+weights no layout covers (other formats, a row count not a multiple of eight, a tied head whose blocks embedding
+lookups read), nothing changes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedserve.engine.worker.models.layers import Linear
 from pagedserve.kernels import KernelBackend
-from pagedserve.kernels.interleaved_rows import ROW_GROUP, interleave_rows, rows8_kernel_built
+from pagedserve.kernels.interleaved_rows import ROW_GROUP, interleave_rows, interleaves, rows8_kernel_built
 from pagedserve.kernels.quantized import QuantizedWeight, tile_unit_takes
 from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 
@@ -34,25 +34,21 @@ def lay_out_for_kernels(model: nn.Module, backend: KernelBackend) -> int:
             if laid_out is not module.quantized:
                 module.quantized, count = laid_out, count + 1
     if count:
-        logger.info("%d Q4_0 projections laid out for the 16-bit product (rows interleaved by %d)", count, ROW_GROUP)
+        logger.info("%d projections laid out for the 16-bit product (rows interleaved by %d)", count, ROW_GROUP)
     return count
 
 
 def interleaving_pays(backend: KernelBackend) -> bool:
-    """Whether Q4_0 weights multiply faster interleaved here: int16 activations, the vector kernel, no tile unit."""
-    return (
-        getattr(backend, "activation_dtype", "float32") == "int16"
-        and rows8_kernel_built()
-        and not tile_unit_takes("q4_0")
-    )
+    """Whether interleaved layouts multiply faster here: int16 activations and the vector kernels."""
+    return getattr(backend, "activation_dtype", "float32") == "int16" and rows8_kernel_built()
 
 
 def _interleaved(weight: ProjectionWeight) -> ProjectionWeight:
-    """`weight` interleaved where the layout covers it (each part of a stacked one), else `weight` itself."""
+    """`weight` interleaved where a layout covers it (each part of a stacked one), else `weight` itself."""
     if isinstance(weight, RowStackedWeight):
         parts = tuple(_interleaved(part) for part in weight.parts)
         changed = any(new is not old for new, old in zip(parts, weight.parts))
         return RowStackedWeight(parts) if changed else weight  # type: ignore[arg-type]
-    if isinstance(weight, QuantizedWeight) and weight.qtype == "q4_0" and weight.shape[0] % ROW_GROUP == 0:
+    if isinstance(weight, QuantizedWeight) and interleaves(weight) and not tile_unit_takes(weight.qtype):
         return interleave_rows(weight)
     return weight

@@ -21,7 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "q4_0_rows8.h"
+#include "rows8.h"
+
 
 /* The library's kernels (layer_ops.c, quantized_linear.c, kquant_linear.c, write_kv.c,
  * paged_decode_attention.c). */
@@ -120,10 +121,10 @@ static float *scratch_alloc(scratch *s, const decoder_model *m, int64_t tokens) 
 
 /* y [tokens, out] (rows ldy floats apart) = x [tokens, in] @ W^T (+ bias), token-major, by the kernel that reads
  * W's type: each returns -1, having done nothing, for a type it does not read. `int8`: by int8_linear.c's where
- * it reads the type, with x quantized to 8 bits (int8 = 8) or 16 (int8 = 16); interleaved Q4_0 always so. */
+ * it reads the type, with x quantized to 8 bits (int8 = 8) or 16 (int8 = 16); interleaved rows always so. */
 static int project_into(float *y, int64_t ldy, const float *x, block_weight w, const float *bias, int64_t tokens,
                         int64_t out, int64_t in, int threads, int int8) {
-    if (w.type == ROWS8_GGML_TYPE) int8 = 16; /* laid out for 16-bit tokens alone, at every count */
+    if (w.type >= ROWS8_Q4_0_TYPE) int8 = 16; /* layouts for 16-bit tokens alone, at every count (rows8.h) */
     if (int8) {
         const int status = (int8 == 16 ? int16_linear_f32 : int8_linear_f32)(y, ldy, 1, x, in, w.blocks, bias, tokens,
                                                                              out, in, w.type, threads);

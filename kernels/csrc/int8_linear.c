@@ -20,23 +20,25 @@
 #include "amx_tiles.h"
 #include "int8_activations.h"
 #include "parallel.h"
-#include "q4_0_rows8.h"
+#include "rows8.h"
 
 /* One weight format: ggml's type id, its block, its row dots with 8-bit activations and its tile dots with
- * 16-bit ones, and whether those read x in nibble order (nibble_order_q16). */
+ * 16-bit ones, and whether those read x in nibble order (nibble_order_q16); or a layout of rows interleaved eight
+ * at a time (rows8.h), which only its group tiles read, with 16-bit tokens. */
 typedef struct {
     int ggml_type;
     int64_t block_weights, block_bytes;
     int8_row_dot *dot8;
     int16_tile_dot *tile16;
     int nibble_order;
+    rows8_tile *group_tile;
 } int8_format;
 
 static const int8_format FORMATS[] = {
     {8, 32, 34, int8_dot_q8_0, int16_tile_q8_0, 0},    {2, 32, 18, int8_dot_q4_0, int16_tile_q4_0, 1},
     {3, 32, 20, int8_dot_q4_1, int16_tile_q4_1, 1},    {12, 256, 144, int8_dot_q4_k, int16_tile_q4_k, 0},
     {13, 256, 176, int8_dot_q5_k, int16_tile_q5_k, 0}, {14, 256, 210, int8_dot_q6_k, int16_tile_q6_k, 0},
-    {ROWS8_GGML_TYPE, 32, 18, NULL, NULL, 0}, /* 16-bit tokens only, a group of rows at a time (q4_0_rows8.c) */
+    {ROWS8_Q4_0_TYPE, 32, 18, NULL, NULL, 0, q4_0_rows8_tile}, {ROWS8_Q4_K_TYPE, 256, 144, NULL, NULL, 0, q4_k_rows8_tile},
 };
 
 /* Weights a unit of parallel work holds at least when many tokens share each row (as block_rows.c). */
@@ -118,10 +120,10 @@ static void int8_rows(void *context, int64_t begin, int64_t end) {
     }
 }
 
-/* Tokens q4_0_rows8_tile takes at once. */
+/* Tokens a group tile takes at once (rows8.h). */
 enum { ROWS8_TOKENS = 4 };
 
-/* Row groups [begin, end) of Q4_0 interleaved by ROW_GROUP rows, every 16-bit token ROWS8_TOKENS at a time (a
+/* Row groups [begin, end) of a layout of ROW_GROUP interleaved rows, every 16-bit token ROWS8_TOKENS at a time (a
  * group's rows read from L1 or L2 for every tile but the first). */
 static void rows8_groups(void *context, int64_t begin, int64_t end) {
     const int8_job *job = context;
@@ -129,7 +131,8 @@ static void rows8_groups(void *context, int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
         for (int64_t m = 0; m < job->M; m += ROWS8_TOKENS) {
             const int tokens = tokens_from(job, m, ROWS8_TOKENS);
-            q4_0_rows8_tile(job->w + g * ROW_GROUP * job->row_bytes, job->blocks, job->tokens16 + m, tokens, sums);
+            job->format->group_tile(job->w + g * ROW_GROUP * job->row_bytes, job->blocks, job->tokens16 + m, tokens,
+                                    sums);
             store_sums(job, g * ROW_GROUP, ROW_GROUP, m, tokens, sums, 1, ROW_GROUP);
         }
 }
@@ -139,8 +142,11 @@ static int tokens_of_group(int64_t M, int64_t g) {
     return M - g * AMX_TOKENS < AMX_TOKENS ? (int)(M - g * AMX_TOKENS) : AMX_TOKENS;
 }
 
-/* Whether int8_linear_f32 multiplies weights of ggml type `ggml_type` (interleaved Q4_0 only meets 16 bits). */
-int int8_linear_supports(int ggml_type) { return format_of(ggml_type) != NULL && ggml_type != ROWS8_GGML_TYPE; }
+/* Whether int8_linear_f32 multiplies weights of ggml type `ggml_type` (interleaved rows only meet 16 bits). */
+int int8_linear_supports(int ggml_type) {
+    const int8_format *format = format_of(ggml_type);
+    return format != NULL && format->group_tile == NULL;
+}
 
 /* int8_linear_f32 (below) with x quantized to `bits` (8 or 16) bits. */
 static int integer_linear(int bits, float *y, int64_t ldy_token, int64_t ldy_row, const float *x, int64_t ldx,
@@ -148,7 +154,7 @@ static int integer_linear(int bits, float *y, int64_t ldy_token, int64_t ldy_row
                           int num_threads) {
     const int8_format *format = format_of(ggml_type);
     if (format == NULL || K <= 0 || K % format->block_weights != 0) return -1;
-    const int rows8 = ggml_type == ROWS8_GGML_TYPE;
+    const int rows8 = format->group_tile != NULL;
     if (rows8 && (bits != 16 || N % ROW_GROUP != 0)) return -1;
     if (M <= 0) return 0;
     const int64_t blocks = K / Q8_BLOCK, value_bytes = bits / 8;

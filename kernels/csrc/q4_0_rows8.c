@@ -22,7 +22,7 @@
 
 #include "half_float.h"
 #include "int8_activations.h"
-#include "q4_0_rows8.h"
+#include "rows8.h"
 
 enum { Q4_0_BYTES = 18, CHUNKS = 8 };
 
@@ -31,7 +31,7 @@ int q4_0_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, i
     const int64_t blocks = row_bytes / Q4_0_BYTES;
     for (int64_t g = 0; g < num_rows / ROW_GROUP; ++g)
         for (int64_t b = 0; b < blocks; ++b) {
-            uint8_t *group_block = out + (g * blocks + b) * ROWS8_BLOCK_BYTES;
+            uint8_t *group_block = out + (g * blocks + b) * ROWS8_Q4_0_BLOCK;
             for (int r = 0; r < ROW_GROUP; ++r) {
                 const uint8_t *block = rows + (g * ROW_GROUP + r) * row_bytes + b * Q4_0_BYTES;
                 memcpy(group_block + 2 * r, block, 2);
@@ -69,7 +69,7 @@ static inline __attribute__((always_inline)) void group_tile(const uint8_t *grou
     for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
     const __m256i nibble = _mm256_set1_epi16(0x0F);
     for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *block = group + b * ROWS8_BLOCK_BYTES;
+        const uint8_t *block = group + b * ROWS8_Q4_0_BLOCK;
         _mm_prefetch((const char *)(block + PREFETCH_BYTES), _MM_HINT_T0);
         _mm_prefetch((const char *)(block + PREFETCH_BYTES + 64), _MM_HINT_T0);
         _mm_prefetch((const char *)(block + PREFETCH_BYTES + 128), _MM_HINT_T0);
@@ -112,16 +112,16 @@ void q4_0_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, i
     }
 }
 
-int q4_0_rows8_available(void) { return 1; }
+int rows8_available(void) { return 1; }
 #else
 /* Without AVX2 the same sums a weight at a time (correct everywhere; the engine lays weights out so only where
- * q4_0_rows8_available says the vector kernel is built). */
+ * rows8_available says the vector kernel is built). */
 void q4_0_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, int tokens, float *sums) {
     for (int t = 0; t < tokens; ++t)
         for (int r = 0; r < ROW_GROUP; ++r) {
             float sum = 0.0f;
             for (int64_t b = 0; b < blocks; ++b) {
-                const uint8_t *block = group + b * ROWS8_BLOCK_BYTES;
+                const uint8_t *block = group + b * ROWS8_Q4_0_BLOCK;
                 int32_t dot = 0;
                 for (int k = 0; k < CHUNKS; ++k)
                     for (int i = 0; i < 2; ++i) {
@@ -135,5 +135,5 @@ void q4_0_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, i
         }
 }
 
-int q4_0_rows8_available(void) { return 0; }
+int rows8_available(void) { return 0; }
 #endif

@@ -1,0 +1,30 @@
+/*
+ * Block formats with their rows interleaved eight at a time (q4_0_rows8.c, q4_k_rows8.c): the layouts' type ids,
+ * and their products with 16-bit tokens.
+ */
+#ifndef PAGEDSERVE_ROWS8_H
+#define PAGEDSERVE_ROWS8_H
+
+#include <stdint.h>
+
+#include "int8_activations.h"
+
+/* The layouts' type ids where the kernels take a ggml type (kernels/block_formats.py's KERNEL_LAYOUTS): past any
+ * ggml type, as no file stores them. */
+enum { ROWS8_Q4_0_TYPE = 1002, ROWS8_Q4_K_TYPE = 1012 };
+enum { ROW_GROUP = 8, ROWS8_Q4_0_BLOCK = ROW_GROUP * 18, ROWS8_Q4_K_BLOCK = ROW_GROUP * 144 };
+
+/* out = `num_rows` rows of `row_bytes` bytes each, interleaved (the same number of bytes). Return 0, or -1 (out
+ * untouched) where num_rows is not a multiple of ROW_GROUP or row_bytes not of a block. */
+int q4_0_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, int64_t row_bytes);
+int q4_k_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, int64_t row_bytes);
+
+/* sums[t * ROW_GROUP + r] = row r of the group at `group` (`blocks` of the format's blocks a row: 32 weights for
+ * Q4_0, 256 for Q4_K) . x[t], for t < tokens (1..4). */
+typedef void rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, int tokens, float *sums);
+rows8_tile q4_0_rows8_tile, q4_k_rows8_tile;
+
+/* Whether this build has the vector kernels (AVX2); without them the tiles are scalar, correct but slow. */
+int rows8_available(void);
+
+#endif
