@@ -167,16 +167,22 @@ def main() -> None:
     rows: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as cache:
         with started(pagedserve_server(args.model, args.threads, Path(cache), args.streams, logs / "cold.log")) as (
-            _, cold_s, _peak
+            _,
+            cold_s,
+            _peak,
         ):
             pass
         with started(pagedserve_server(args.model, args.threads, Path(cache), args.streams, logs / "p.log")) as (
-            server, ready_s, peak
+            server,
+            ready_s,
+            peak,
         ):
             rows["pagedserve"] = {"cold": cold_s, "ready": ready_s, "peak": peak, **measure(server, args)}
     if not args.skip_llama:
         with started(llama_server(args.llama_server, args.model, args.threads, args.streams, logs / "l.log")) as (
-            server, ready_s, peak
+            server,
+            ready_s,
+            peak,
         ):
             rows["llama.cpp"] = {"cold": ready_s, "ready": ready_s, "peak": peak, **measure(server, args)}
     bandwidth = copy_bandwidth_gbs(args.threads)

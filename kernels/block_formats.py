@@ -66,6 +66,7 @@ FORMATS: dict[str, BlockFormat] = {
 KERNEL_LAYOUTS: dict[str, BlockFormat] = {
     "q4_0_r8": BlockFormat(ggml_type=1002, block_bytes=18),  # Q4_0, rows interleaved eight at a time
     "q4_k_r8": BlockFormat(ggml_type=1012, block_bytes=144, block_weights=SUPER_BLOCK),  # Q4_K, the same
+    "q6_k_r8": BlockFormat(ggml_type=1014, block_bytes=210, block_weights=SUPER_BLOCK),  # Q6_K, the same
 }
 
 

@@ -1,5 +1,5 @@
-"""Block weights laid out for the CPU's 16-bit product: rows interleaved eight at a time (csrc/q4_0_rows8.c for
-Q4_0, csrc/q4_k_rows8.c for Q4_K).
+"""Block weights laid out for the CPU's 16-bit product: rows interleaved eight at a time (csrc/q4_0_rows8.c,
+csrc/q4_k_rows8.c and csrc/q6_k_rows8.c; csrc/rows8_layout.c writes them).
 
 A layout, not a file format: the same bytes as the weight's rows, in the order where one vector holds a pair of
 weights of each of eight rows, so that the product never sums across a vector's lanes and a block's eight scales
@@ -19,7 +19,11 @@ from pagedserve.kernels.block_formats import QuantizedWeight, block_format
 from pagedserve.kernels.cpu_native import native_function
 
 ROW_GROUP = 8  # rows interleaved together
-INTERLEAVED = {"q4_0": "q4_0_r8", "q4_k": "q4_k_r8"}  # a format -> its layout's name (block_formats.KERNEL_LAYOUTS)
+INTERLEAVED = {
+    "q4_0": "q4_0_r8",
+    "q4_k": "q4_k_r8",
+    "q6_k": "q6_k_r8",
+}  # a format -> its layout's name (block_formats.KERNEL_LAYOUTS)
 STORED = {layout: qtype for qtype, layout in INTERLEAVED.items()}
 
 
@@ -61,13 +65,13 @@ def deinterleave_rows(blocks: torch.Tensor, layout: str) -> torch.Tensor:
     rows, row_bytes = blocks.shape
     block_bytes = block_format(qtype).block_bytes
     groups = blocks.reshape(rows // ROW_GROUP, row_bytes // block_bytes, block_bytes * ROW_GROUP)  # [G, B, 8 blocks]
-    parts, at = [], 0
+    rows_first = torch.empty(rows // ROW_GROUP, ROW_GROUP, row_bytes // block_bytes, block_bytes, dtype=blocks.dtype)
+    at = 0
     for start, stop, width in _FIELDS[qtype]:
         size = (stop - start) * ROW_GROUP
         pieces = groups[..., at : at + size].unflatten(-1, ((stop - start) // width, ROW_GROUP, width))
-        parts.append(pieces.transpose(2, 3).flatten(3))  # [G, B, 8 rows, stop - start]
+        rows_first[..., start:stop] = pieces.permute(0, 3, 1, 2, 4).flatten(3)  # [G, 8 rows, B, stop - start]
         at += size
-    rows_first = torch.cat(parts, dim=-1).transpose(1, 2)  # [G, 8 rows, B, block bytes]
     return rows_first.reshape(rows, row_bytes).contiguous()
 
 
@@ -78,10 +82,20 @@ def rows8_kernel_built() -> bool:
 
 
 # A block's fields in the order the layout stores them, each as (start, stop, width): the eight rows' pieces of
-# `width` bytes of bytes [start, stop) follow one another, piece by piece (csrc/q4_0_rows8.c, csrc/q4_k_rows8.c).
+# `width` bytes of bytes [start, stop) follow one another, piece by piece (csrc/rows8_layout.c's table).
 _FIELDS: dict[str, list[tuple[int, int, int]]] = {
     "q4_0": [(0, 2, 2), (2, 18, 2)],  # d; the 16 bytes of nibbles two at a time
     "q4_k": [(0, 2, 2), (2, 4, 2), (4, 16, 4), *((16 + 32 * j, 48 + 32 * j, 2) for j in range(4))],
+    "q6_k": [
+        (208, 210, 2),
+        (192, 208, 1),
+        (0, 32, 2),
+        (32, 64, 2),
+        (128, 160, 2),
+        (64, 96, 2),
+        (96, 128, 2),
+        (160, 192, 2),
+    ],
 }
 
 

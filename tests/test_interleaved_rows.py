@@ -87,7 +87,7 @@ def test_the_q4_k_layout_puts_each_rows_bytes_where_the_kernel_reads_them() -> N
                 assert torch.equal(super_block[at : at + 2], row[16 + 32 * j + 2 * k : 18 + 32 * j + 2 * k])
 
 
-@pytest.mark.parametrize("qtype_or_rows", [("q8_0", 16), ("q6_k", 16), ("q4_0", 12), ("q4_k", 4)])
+@pytest.mark.parametrize("qtype_or_rows", [("q8_0", 16), ("q5_k", 16), ("q4_0", 12), ("q4_k", 4), ("q6_k", 12)])
 def test_only_formats_with_a_layout_in_whole_groups_of_rows_interleave(qtype_or_rows: tuple[str, int]) -> None:
     qtype, rows = qtype_or_rows
     with pytest.raises(ValueError, match="interleave"):
@@ -138,7 +138,7 @@ def projection_qtypes(engine: LLMEngine) -> set[str]:
 def model_of(tiny_model_dir: Callable[[str], Path], request: pytest.FixtureRequest) -> Callable[[str], str]:
     """A checkpoint whose projections `quantization=qtype` quantizes (K-quants need inputs of 256s)."""
     return lambda qtype: str(
-        request.getfixturevalue("k_quant_sized_llama") if qtype == "q4_k" else tiny_model_dir("llama")
+        request.getfixturevalue("k_quant_sized_llama") if qtype.endswith("_k") else tiny_model_dir("llama")
     )
 
 

@@ -24,22 +24,7 @@
 #include "int8_activations.h"
 #include "rows8.h"
 
-enum { Q4_0_BYTES = 18, CHUNKS = 8 };
-
-int q4_0_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, int64_t row_bytes) {
-    if (num_rows % ROW_GROUP != 0 || row_bytes % Q4_0_BYTES != 0) return -1;
-    const int64_t blocks = row_bytes / Q4_0_BYTES;
-    for (int64_t g = 0; g < num_rows / ROW_GROUP; ++g)
-        for (int64_t b = 0; b < blocks; ++b) {
-            uint8_t *group_block = out + (g * blocks + b) * ROWS8_Q4_0_BLOCK;
-            for (int r = 0; r < ROW_GROUP; ++r) {
-                const uint8_t *block = rows + (g * ROW_GROUP + r) * row_bytes + b * Q4_0_BYTES;
-                memcpy(group_block + 2 * r, block, 2);
-                for (int k = 0; k < CHUNKS; ++k) memcpy(group_block + 16 + 16 * k + 2 * r, block + 2 + 2 * k, 2);
-            }
-        }
-    return 0;
-}
+enum { CHUNKS = 8 };
 
 #ifdef INT8_AVX2
 /* acc + the pair products of w's 16 int16 and the pair of x's integers at `pair`, in every row's lanes. */
@@ -111,11 +96,9 @@ void q4_0_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, i
         group_tile(group, blocks, x, sums, 4);
     }
 }
-
-int rows8_available(void) { return 1; }
 #else
 /* Without AVX2 the same sums a weight at a time (correct everywhere; the engine lays weights out so only where
- * rows8_available says the vector kernel is built). */
+ * rows8_available says the vector kernels are built). */
 void q4_0_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, int tokens, float *sums) {
     for (int t = 0; t < tokens; ++t)
         for (int r = 0; r < ROW_GROUP; ++r) {
@@ -134,6 +117,4 @@ void q4_0_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, i
             sums[t * ROW_GROUP + r] = sum;
         }
 }
-
-int rows8_available(void) { return 0; }
 #endif

@@ -23,27 +23,7 @@
 #include "kquant_scales.h"
 #include "rows8.h"
 
-enum { Q4_K_BYTES = 144, GROUPS = 8, SEGMENTS = 4, SEGMENT_CHUNKS = 16, QUANTS_AT = 128 };
-
-int q4_k_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, int64_t row_bytes) {
-    if (num_rows % ROW_GROUP != 0 || row_bytes % Q4_K_BYTES != 0) return -1;
-    const int64_t blocks = row_bytes / Q4_K_BYTES;
-    for (int64_t g = 0; g < num_rows / ROW_GROUP; ++g)
-        for (int64_t b = 0; b < blocks; ++b) {
-            uint8_t *group_block = out + (g * blocks + b) * ROWS8_Q4_K_BLOCK;
-            for (int r = 0; r < ROW_GROUP; ++r) {
-                const uint8_t *block = rows + (g * ROW_GROUP + r) * row_bytes + b * Q4_K_BYTES;
-                memcpy(group_block + 2 * r, block, 2);
-                memcpy(group_block + 16 + 2 * r, block + 2, 2);
-                for (int word = 0; word < 3; ++word) memcpy(group_block + 32 + 32 * word + 4 * r, block + 4 + 4 * word, 4);
-                for (int chunk = 0; chunk < SEGMENTS * SEGMENT_CHUNKS; ++chunk) {
-                    const int segment = chunk / SEGMENT_CHUNKS, k = chunk % SEGMENT_CHUNKS;
-                    memcpy(group_block + QUANTS_AT + 16 * chunk + 2 * r, block + 16 + 32 * segment + 2 * k, 2);
-                }
-            }
-        }
-    return 0;
-}
+enum { GROUPS = 8, SEGMENTS = 4, SEGMENT_CHUNKS = 16, QUANTS_AT = 128 };
 
 #ifdef INT8_AVX2
 /* acc + the pair products of w's 16 int16 and the pair of x's integers at `pair`, in every row's lanes. */
@@ -148,7 +128,7 @@ void q4_k_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, i
     }
 }
 #else
-/* Without AVX2 the same sums a weight at a time (rows8_available in q4_0_rows8.c says which build this is). */
+/* Without AVX2 the same sums a weight at a time (rows8_available in rows8_layout.c says which build this is). */
 void q4_k_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, int tokens, float *sums) {
     for (int t = 0; t < tokens; ++t)
         for (int r = 0; r < ROW_GROUP; ++r) {

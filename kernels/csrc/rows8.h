@@ -1,5 +1,5 @@
 /*
- * Block formats with their rows interleaved eight at a time (q4_0_rows8.c, q4_k_rows8.c): the layouts' type ids,
+ * Block formats with their rows interleaved eight at a time (q4_0_rows8.c, q4_k_rows8.c, q6_k_rows8.c; written by rows8_layout.c): the layouts' type ids,
  * and their products with 16-bit tokens.
  */
 #ifndef PAGEDSERVE_ROWS8_H
@@ -11,18 +11,20 @@
 
 /* The layouts' type ids where the kernels take a ggml type (kernels/block_formats.py's KERNEL_LAYOUTS): past any
  * ggml type, as no file stores them. */
-enum { ROWS8_Q4_0_TYPE = 1002, ROWS8_Q4_K_TYPE = 1012 };
+enum { ROWS8_Q4_0_TYPE = 1002, ROWS8_Q4_K_TYPE = 1012, ROWS8_Q6_K_TYPE = 1014 };
 enum { ROW_GROUP = 8, ROWS8_Q4_0_BLOCK = ROW_GROUP * 18, ROWS8_Q4_K_BLOCK = ROW_GROUP * 144 };
+enum { ROWS8_Q6_K_BLOCK = ROW_GROUP * 210 };
 
 /* out = `num_rows` rows of `row_bytes` bytes each, interleaved (the same number of bytes). Return 0, or -1 (out
  * untouched) where num_rows is not a multiple of ROW_GROUP or row_bytes not of a block. */
 int q4_0_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, int64_t row_bytes);
 int q4_k_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, int64_t row_bytes);
+int q6_k_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, int64_t row_bytes);
 
 /* sums[t * ROW_GROUP + r] = row r of the group at `group` (`blocks` of the format's blocks a row: 32 weights for
- * Q4_0, 256 for Q4_K) . x[t], for t < tokens (1..4). */
+ * Q4_0, 256 for the K-quants) . x[t], for t < tokens (1..4). */
 typedef void rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, int tokens, float *sums);
-rows8_tile q4_0_rows8_tile, q4_k_rows8_tile;
+rows8_tile q4_0_rows8_tile, q4_k_rows8_tile, q6_k_rows8_tile;
 
 /* Whether this build has the vector kernels (AVX2); without them the tiles are scalar, correct but slow. */
 int rows8_available(void);
