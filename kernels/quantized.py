@@ -37,7 +37,7 @@ from pagedserve.kernels.block_formats import (
     block_format,
 )
 from pagedserve.kernels.cpu_native import bound_kernel, native_function
-from pagedserve.kernels.interleaved_rows import STORED, deinterleave_rows
+from pagedserve.kernels.interleaved_rows import ROW_GROUP, STORED, deinterleave_rows
 from pagedserve.kernels.quantized_reference import dequantize, dequantize_rows, quantize
 
 __all__ = [
@@ -106,9 +106,19 @@ def quantized_linear(
 
 def lookup_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` [T] of the weight as float32 [T, in]: an embedding lookup in a table kept as blocks, equal to
-    indexing the dequantized table."""
-    rows = weight.blocks.index_select(0, ids.to("cpu", torch.long))
-    return (dequantize_kernel() or dequantize_rows)(rows, weight.qtype)
+    indexing the dequantized table. A table laid out with its rows interleaved (a tied head's,
+    kernels/interleaved_rows.py) gives up the groups of eight rows that hold them, put back in row order."""
+    ids = ids.to("cpu", torch.long)
+    qtype = weight.qtype
+    if qtype in STORED:
+        groups, group_of_id = torch.unique(ids // ROW_GROUP, return_inverse=True)
+        row_bytes = weight.blocks.shape[1]
+        interleaved = weight.blocks.view(-1, ROW_GROUP * row_bytes).index_select(0, groups).view(-1, row_bytes)
+        in_order = deinterleave_rows(interleaved, qtype).view(-1, ROW_GROUP, row_bytes)
+        rows, qtype = in_order[group_of_id, ids % ROW_GROUP], STORED[qtype]
+    else:
+        rows = weight.blocks.index_select(0, ids)
+    return (dequantize_kernel() or dequantize_rows)(rows, qtype)
 
 
 def tiled_linear(

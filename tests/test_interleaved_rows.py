@@ -25,10 +25,18 @@ from pagedserve.kernels.interleaved_rows import (
     interleave_rows,
     rows8_kernel_built,
 )
-from pagedserve.kernels.quantized import QuantizedWeight, dequantize, int8_linear_kernel, quantize, quantized_linear
+from pagedserve.kernels.quantized import (
+    QuantizedWeight,
+    dequantize,
+    int8_linear_kernel,
+    lookup_rows,
+    quantize,
+    quantized_linear,
+)
 from tests.test_cpu_decoder import generate, k_quant_sized_llama  # noqa: F401 (a fixture)
 from tests.test_int8_activations import activations, integer_product
 from tests.test_kernels_quantized import random_weight
+from tests.test_kquants import q4_k_m_file  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 # Any count: tiles of four tokens (csrc/int8_linear.c's ROWS8_TOKENS), whole and cut short, and prefill's sizes.
@@ -175,3 +183,37 @@ def test_a_format_the_tile_unit_takes_keeps_the_files_layout(monkeypatch: pytest
     q4_0, q4_k = weight_of("q4_0", in_features=256), weight_of("q4_k", in_features=256)
     assert kernel_layouts._interleaved(q4_0) is q4_0
     assert kernel_layouts._interleaved(q4_k).qtype == INTERLEAVED["q4_k"]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_lookups_in_an_interleaved_table_are_the_stored_tables(qtype: str) -> None:
+    """A tied head laid out for its product is still the embedding: rows looked up in any order, repeated, from
+    several groups of eight, equal those of the file's layout bit for bit."""
+    table = weight_of(qtype, out_features=64, in_features=256)
+    ids = torch.tensor([5, 0, 63, 5, 17, 8, 9])
+    assert torch.equal(lookup_rows(interleave_rows(table), ids), lookup_rows(table, ids))
+
+
+@pytest.mark.skipif(not rows8_kernel_built(), reason="the layouts pay only with the AVX2 kernels")
+def test_a_q4_k_m_file_with_a_tied_head_decodes_as_before_once_laid_out(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q4_K and Q6_K parts of one fused q/k/v, and the tied Q6_K head the embedding looks rows up in: all laid
+    out (the head and the embedding one copy), greedy tokens those of the file's layout. Logprobs within x's
+    16-bit rounding: laid out, the 40-token prompt prefills on 16-bit activations too, where the file's layout
+    prefills in float32."""
+    config = EngineConfig(model=str(request.getfixturevalue("q4_k_m_file")), activation_dtype="int16")
+    prompts = [list(range(100, 108)), list(range(300, 340)), list(range(1000, 1003))]
+    laid_out = LLMEngine(config)
+    model = laid_out.runner.model
+    assert model.quantized_head.qtype == "q6_k_r8" and model.embed_tokens.table is model.quantized_head
+    qkv = model.layers[0].self_attn.qkv_proj.quantized
+    assert [part.qtype for part in qkv.parts] == ["q4_k_r8", "q4_k_r8", "q6_k_r8"]
+    interleaved = generate(laid_out, prompts)
+    monkeypatch.setattr(kernel_layouts, "interleaving_pays", lambda backend: False)
+    as_stored = LLMEngine(config)
+    assert as_stored.runner.model.quantized_head.qtype == "q6_k"
+    row_at_a_time = generate(as_stored, prompts)
+    for i in interleaved:
+        assert interleaved[i][0] == row_at_a_time[i][0]
+        assert interleaved[i][1] == pytest.approx(row_at_a_time[i][1], abs=2e-3)

@@ -1,11 +1,12 @@
 """A loaded model's CPU block weights re-laid, once, for the kernels its activation dtype chooses.
 
-With int16 activations on a CPU with AVX2, Q4_0 and Q4_K projections multiply faster with their rows interleaved
+With int16 activations on a CPU with AVX2, Q4_0, Q4_K and Q6_K weights multiply faster with their rows interleaved
 eight at a time (kernels/interleaved_rows.py): each one is copied into that layout (the same bytes, another order)
-and the file's layout dropped, a weight at a time, so the process never holds more than one extra weight. Where
-AMX's tile unit takes a format (it reads the file's layout: Q4_0 there), with float32 activations, and for the
-weights no layout covers (other formats, a row count not a multiple of eight, a tied head whose blocks embedding
-lookups read), nothing changes.
+and the file's layout dropped, a weight at a time, so the process never holds more than one extra weight. That
+covers the projections, an untied LM head, and a tied one together with the embedding that looks rows up in the
+same blocks (one copy for both: lookups read the interleaved table). Where AMX's tile unit takes a format (it reads
+the file's layout: Q4_0 there), with float32 activations, and for weights no layout covers (other formats, a row
+count not a multiple of eight), nothing changes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 
 from torch import nn
 
-from pagedserve.engine.worker.models.layers import Linear
+from pagedserve.engine.worker.models.layers import Linear, QuantizedEmbedding
 from pagedserve.kernels import KernelBackend
 from pagedserve.kernels.interleaved_rows import ROW_GROUP, interleave_rows, interleaves, rows8_kernel_built
 from pagedserve.kernels.quantized import QuantizedWeight, tile_unit_takes
@@ -24,17 +25,26 @@ logger = logging.getLogger(__name__)
 
 
 def lay_out_for_kernels(model: nn.Module, backend: KernelBackend) -> int:
-    """Re-lays `model`'s projections for the backend's activation dtype where that pays; returns how many."""
+    """Re-lays `model`'s block weights for the backend's activation dtype where that pays; returns how many."""
     if not interleaving_pays(backend):
         return 0
-    count = 0
+    laid_out: dict[int, ProjectionWeight] = {}  # id of a weight as loaded -> as laid out: a shared one is done once
+
+    def relaid(weight: ProjectionWeight) -> ProjectionWeight:
+        if id(weight) not in laid_out:
+            laid_out[id(weight)] = _interleaved(weight)
+        return laid_out[id(weight)]
+
     for module in model.modules():
         if isinstance(module, Linear) and module.quantized is not None:
-            laid_out = _interleaved(module.quantized)
-            if laid_out is not module.quantized:
-                module.quantized, count = laid_out, count + 1
+            module.quantized = relaid(module.quantized)
+        elif isinstance(module, QuantizedEmbedding):
+            module.table = relaid(module.table)
+        if isinstance(getattr(module, "quantized_head", None), QuantizedWeight):
+            module.quantized_head = relaid(module.quantized_head)
+    count = sum(id(new) != old for old, new in laid_out.items())
     if count:
-        logger.info("%d projections laid out for the 16-bit product (rows interleaved by %d)", count, ROW_GROUP)
+        logger.info("%d block weights laid out for the 16-bit product (rows interleaved by %d)", count, ROW_GROUP)
     return count
 
 
