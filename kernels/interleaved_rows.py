@@ -37,14 +37,14 @@ def interleave_rows(weight: QuantizedWeight) -> QuantizedWeight:
     if not interleaves(weight):
         raise ValueError(f"only {'/'.join(INTERLEAVED)} weights of a multiple of {ROW_GROUP} rows interleave, got "
                          f"{weight.qtype} {weight.shape}")  # fmt: skip
-    interleave = native_function(f"{weight.qtype}_rows8_interleave", [ctypes.c_void_p, ctypes.c_void_p,
-                                                                      ctypes.c_int64, ctypes.c_int64])  # fmt: skip
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    interleave = native_function(f"{weight.qtype}_rows8_interleave", [pointer, pointer, i64, i64, ctypes.c_int])
     if interleave is None:
         blocks = interleave_reference(weight.blocks, weight.qtype)
     else:
         blocks = torch.empty_like(weight.blocks)
         rows, row_bytes = weight.blocks.shape
-        if interleave(blocks.data_ptr(), weight.blocks.data_ptr(), rows, row_bytes) != 0:
+        if interleave(blocks.data_ptr(), weight.blocks.data_ptr(), rows, row_bytes, torch.get_num_threads()) != 0:
             raise ValueError(f"the kernel refused {weight.qtype} blocks of shape {tuple(weight.blocks.shape)}")
     return QuantizedWeight(INTERLEAVED[weight.qtype], blocks, weight.shape)
 

@@ -15,11 +15,12 @@ enum { ROWS8_Q4_0_TYPE = 1002, ROWS8_Q4_K_TYPE = 1012, ROWS8_Q6_K_TYPE = 1014 };
 enum { ROW_GROUP = 8, ROWS8_Q4_0_BLOCK = ROW_GROUP * 18, ROWS8_Q4_K_BLOCK = ROW_GROUP * 144 };
 enum { ROWS8_Q6_K_BLOCK = ROW_GROUP * 210 };
 
-/* out = `num_rows` rows of `row_bytes` bytes each, interleaved (the same number of bytes). Return 0, or -1 (out
- * untouched) where num_rows is not a multiple of ROW_GROUP or row_bytes not of a block. */
-int q4_0_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, int64_t row_bytes);
-int q4_k_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, int64_t row_bytes);
-int q6_k_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, int64_t row_bytes);
+/* out = `num_rows` rows of `row_bytes` bytes each, interleaved (the same number of bytes), on `num_threads`
+ * threads. Return 0, or -1 (out untouched) where num_rows is not a multiple of ROW_GROUP or row_bytes not of a
+ * block. */
+int q4_0_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, int64_t row_bytes, int num_threads);
+int q4_k_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, int64_t row_bytes, int num_threads);
+int q6_k_rows8_interleave(uint8_t *out, const uint8_t *rows, int64_t num_rows, int64_t row_bytes, int num_threads);
 
 /* sums[t * ROW_GROUP + r] = row r of the group at `group` (`blocks` of the format's blocks a row: 32 weights for
  * Q4_0, 256 for the K-quants) . x[t], for t < tokens (1..4). */
