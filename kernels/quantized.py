@@ -14,7 +14,8 @@ activation_dtype "int8" quantizes a call's x to 8 bits a block of 32 and multipl
 (csrc/int8_linear.c, as llama.cpp does): faster for a few tokens, no longer the float32 product of the
 dequantized weight. "int16" does the same with 16-bit integers (x to ~1e-5), unpacking each weight block once
 for up to 8 tokens (csrc/int16_dot.c's tiles). From INTEGER_MAX_TOKENS[activation_dtype] tokens, and for formats
-without such a kernel, the float32 path runs whatever the setting.
+without such a kernel, the float32 path runs whatever the setting. Weights laid out with their rows interleaved
+(kernels/interleaved_rows.py: "q4_0_r8", "q4_k_r8", "q6_k_r8") have only the 16-bit product, at every count.
 The torch reference (`dequantize`, `quantize`) is in
 kernels/quantized_reference.py (int8: kernels/int8_reference.py); both modules' names are importable from here.
 """

@@ -12,35 +12,39 @@ count not a multiple of eight), nothing changes.
 from __future__ import annotations
 
 import logging
+from typing import TypeVar
 
 from torch import nn
 
+from pagedserve.engine.worker.models.causal_lm import CausalLM
 from pagedserve.engine.worker.models.layers import Linear, QuantizedEmbedding
+from pagedserve.engine.worker.models.llama import LlamaForCausalLM
 from pagedserve.kernels import KernelBackend
 from pagedserve.kernels.interleaved_rows import ROW_GROUP, interleave_rows, interleaves, rows8_kernel_built
 from pagedserve.kernels.quantized import QuantizedWeight, tile_unit_takes
 from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 
 logger = logging.getLogger(__name__)
+W = TypeVar("W", bound=ProjectionWeight)
 
 
-def lay_out_for_kernels(model: nn.Module, backend: KernelBackend) -> int:
+def lay_out_for_kernels(model: CausalLM, backend: KernelBackend) -> int:
     """Re-lays `model`'s block weights for the backend's activation dtype where that pays; returns how many."""
-    if not interleaving_pays(backend):
+    if not interleaving_pays(backend) or not isinstance(model, nn.Module):
         return 0
     laid_out: dict[int, ProjectionWeight] = {}  # id of a weight as loaded -> as laid out: a shared one is done once
 
-    def relaid(weight: ProjectionWeight) -> ProjectionWeight:
+    def relaid(weight: W) -> W:
         if id(weight) not in laid_out:
             laid_out[id(weight)] = _interleaved(weight)
-        return laid_out[id(weight)]
+        return laid_out[id(weight)]  # type: ignore[return-value]  # _interleaved keeps a weight's kind
 
     for module in model.modules():
         if isinstance(module, Linear) and module.quantized is not None:
             module.quantized = relaid(module.quantized)
         elif isinstance(module, QuantizedEmbedding):
             module.table = relaid(module.table)
-        if isinstance(getattr(module, "quantized_head", None), QuantizedWeight):
+        elif isinstance(module, LlamaForCausalLM) and isinstance(module.quantized_head, QuantizedWeight):
             module.quantized_head = relaid(module.quantized_head)
     count = sum(id(new) != old for old, new in laid_out.items())
     if count:

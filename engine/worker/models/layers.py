@@ -113,6 +113,8 @@ class QuantizedEmbedding(nn.Module):
     multiplies by the same blocks, so no float copy of the table (113 MiB for SmolLM2) need exist. Split over
     `group`, the table is this rank's rows of the vocabulary, assembled as VocabParallelEmbedding does."""
 
+    table: QuantizedWeight  # may be re-laid once loaded (engine/worker/kernel_layouts.py)
+
     def __init__(self, table: QuantizedWeight, group: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.table = table
