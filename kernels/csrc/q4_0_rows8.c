@@ -27,18 +27,6 @@
 enum { CHUNKS = 8 };
 
 #ifdef INT8_AVX2
-/* acc + the pair products of w's 16 int16 and the pair of x's integers at `pair`, in every row's lanes. */
-static inline __attribute__((always_inline)) __m256i pair_products(__m256i acc, __m256i w, const int16_t *pair) {
-    int32_t both;
-    memcpy(&both, pair, sizeof both);
-    const __m256i x = _mm256_set1_epi32(both);
-#ifdef INT8_VNNI
-    return _mm256_dpwssd_epi32(acc, w, x);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
-#endif
-}
-
 /* How far ahead of its reading a group asks for its blocks (int16_dot.c's PREFETCH_BYTES, the same stream). */
 enum { PREFETCH_BYTES = 2048 };
 

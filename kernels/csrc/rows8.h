@@ -30,4 +30,21 @@ rows8_tile q4_0_rows8_tile, q4_k_rows8_tile, q6_k_rows8_tile;
 /* Whether this build has the vector kernels (AVX2); without them the tiles are scalar, correct but slow. */
 int rows8_available(void);
 
+#ifdef INT8_AVX2
+#include <string.h>
+
+/* acc + the pair products of w's 16 int16 (a pair of weights of each of eight rows) and the pair of x's integers
+ * at `pair`, broadcast to every row's lanes: what every group tile's inner loop does. */
+static inline __attribute__((always_inline)) __m256i pair_products(__m256i acc, __m256i w, const int16_t *pair) {
+    int32_t both;
+    memcpy(&both, pair, sizeof both);
+    const __m256i x = _mm256_set1_epi32(both);
+#ifdef INT8_VNNI
+    return _mm256_dpwssd_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+#endif
+
 #endif
