@@ -75,6 +75,11 @@ def deinterleave_rows(blocks: torch.Tensor, layout: str) -> torch.Tensor:
     return rows_first.reshape(rows, row_bytes).contiguous()
 
 
+def as_stored(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str]:
+    """(blocks, qtype) in the file's layout: an interleaved layout's rows put back in order, any format as it is."""
+    return (deinterleave_rows(blocks, qtype), STORED[qtype]) if qtype in STORED else (blocks, qtype)
+
+
 def rows8_kernel_built() -> bool:
     """Whether the library's interleaved products are the vector ones (AVX2), the only build where layouts pay."""
     available = native_function("rows8_available", [])

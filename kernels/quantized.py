@@ -38,7 +38,7 @@ from pagedserve.kernels.block_formats import (
     block_format,
 )
 from pagedserve.kernels.cpu_native import bound_kernel, native_function
-from pagedserve.kernels.interleaved_rows import ROW_GROUP, STORED, deinterleave_rows
+from pagedserve.kernels.interleaved_rows import ROW_GROUP, STORED, as_stored
 from pagedserve.kernels.quantized_reference import dequantize, dequantize_rows, quantize
 
 __all__ = [
@@ -115,8 +115,8 @@ def lookup_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
         groups, group_of_id = torch.unique(ids // ROW_GROUP, return_inverse=True)
         row_bytes = weight.blocks.shape[1]
         interleaved = weight.blocks.view(-1, ROW_GROUP * row_bytes).index_select(0, groups).view(-1, row_bytes)
-        in_order = deinterleave_rows(interleaved, qtype).view(-1, ROW_GROUP, row_bytes)
-        rows, qtype = in_order[group_of_id, ids % ROW_GROUP], STORED[qtype]
+        in_order, qtype = as_stored(interleaved, qtype)
+        rows = in_order.view(-1, ROW_GROUP, row_bytes)[group_of_id, ids % ROW_GROUP]
     else:
         rows = weight.blocks.index_select(0, ids)
     return (dequantize_kernel() or dequantize_rows)(rows, qtype)
@@ -232,8 +232,7 @@ def _native_functions(symbols: dict[int, str], argtypes: list[Any]) -> NativeFun
 
 def _native_dequantize(functions: NativeFunctions, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """Contiguous rows of blocks [rows, row_bytes] as float32 [rows, in]."""
-    if qtype in STORED:
-        blocks, qtype = deinterleave_rows(blocks, qtype), STORED[qtype]
+    blocks, qtype = as_stored(blocks, qtype)
     fmt = FORMATS[qtype]
     rows, in_features = blocks.shape[0], blocks.shape[1] // fmt.block_bytes * fmt.block_weights
     out = torch.empty(rows, in_features)

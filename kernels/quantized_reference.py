@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.kernels.block_formats import FORMATS, SUPER_BLOCK, QuantizedWeight, block_format
-from pagedserve.kernels.interleaved_rows import STORED, deinterleave_rows
+from pagedserve.kernels.interleaved_rows import as_stored
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
@@ -24,8 +24,7 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
 def dequantize_rows(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """Rows of blocks [rows, row_bytes] as float32 [rows, in], computed as gguf-py does (same float32 ops in the
     same order), so that the two agree bit for bit. An interleaved layout as the rows of its format it holds."""
-    if qtype in STORED:
-        blocks, qtype = deinterleave_rows(blocks, qtype), STORED[qtype]
+    blocks, qtype = as_stored(blocks, qtype)
     rows, fmt = blocks.shape[0], FORMATS[qtype]
     grouped = blocks.view(rows, -1, fmt.block_bytes)  # [rows, in / block_weights, block_bytes]
     if fmt.block_weights == SUPER_BLOCK:

@@ -202,9 +202,14 @@ def test_engine_config_names_the_activation_dtypes() -> None:
 def test_narrower_builds_compute_the_reference(build: str) -> None:
     """This file's reference tests on the library built for AVX2 alone, then without AVX: the other paths of
     csrc/int8_*.c and q8_activations.c (a build takes ~20 s, cached after)."""
+    assert_passes_on_build(__file__, "reference and not narrower or kernel_path", build)
+
+
+def assert_passes_on_build(test_file: str, selected: str, build: str) -> None:
+    """The tests of `test_file` that `selected` (pytest's -k) names pass, none skipped, in a process whose library
+    is built with NARROWER_BUILDS[build]'s flags."""
     env = {**os.environ, EXTRA_CFLAGS_VARIABLE: NARROWER_BUILDS[build]}
-    selected = "reference and not narrower or kernel_path"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selected]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", selected]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]

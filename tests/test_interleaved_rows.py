@@ -5,10 +5,7 @@ out only where it pays."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +17,6 @@ from pagedserve.engine.core.llm_engine import LLMEngine
 from pagedserve.engine.worker import kernel_layouts
 from pagedserve.engine.worker.kernel_layouts import lay_out_for_kernels
 from pagedserve.engine.worker.models.layers import Linear
-from pagedserve.kernels.cpu_native import EXTRA_CFLAGS_VARIABLE
 from pagedserve.kernels.int8_reference import int8_linear_reference
 from pagedserve.kernels.interleaved_rows import (
     INTERLEAVED,
@@ -38,7 +34,7 @@ from pagedserve.kernels.quantized import (
     quantized_linear,
 )
 from tests.test_cpu_decoder import generate, k_quant_sized_llama  # noqa: F401 (a fixture)
-from tests.test_int8_activations import NARROWER_BUILDS, activations, integer_product
+from tests.test_int8_activations import NARROWER_BUILDS, activations, assert_passes_on_build, integer_product
 from tests.test_kernels_quantized import random_weight
 from tests.test_kquants import q4_k_m_file  # noqa: F401 (a fixture)
 
@@ -227,9 +223,4 @@ def test_a_q4_k_m_file_with_a_tied_head_decodes_as_before_once_laid_out(
 def test_narrower_builds_interleave_and_multiply_as_the_reference(build: str) -> None:
     """This file's layout and product tests on the library built for AVX2 alone, then without AVX (the scalar
     tiles of csrc/q*_rows8.c, which a CPU without AVX2 would run; the engine lays nothing out there)."""
-    env = {**os.environ, EXTRA_CFLAGS_VARIABLE: NARROWER_BUILDS[build]}
-    selected = "(reference or lookups or bytes_where) and not narrower"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selected]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
+    assert_passes_on_build(__file__, "(reference or lookups or bytes_where) and not narrower", build)

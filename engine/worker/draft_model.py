@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.worker.batch import BlockTables
-from pagedserve.engine.worker.kernel_layouts import lay_out_for_kernels
+from pagedserve.engine.worker.kernel_layouts import use_activations
 from pagedserve.engine.worker.kv_caches import allocate_kv_caches
 from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.model_loader import load_model
 from pagedserve.engine.worker.model_runner import ModelRunner
-from pagedserve.engine.worker.native_decoder import use_activation_dtype
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -40,7 +39,6 @@ def load_draft_runner(
     # The target verifies k + 1 rows with the activations plain decoding's step would have (the step's proposed
     # rows aside: kernels/quantized.py), and the draft decodes a token a step: with the target's activations it
     # proposes what the verification computes (the target as its own draft: every proposal accepted).
-    use_activation_dtype(draft.backend, config.activation_dtype)
-    lay_out_for_kernels(draft.model, draft.backend)
+    use_activations(draft, config.activation_dtype)
     caches = allocate_kv_caches(draft.rank_spec, num_blocks, block_tables.block_size, draft.dtype, draft.device)
     return draft, ModelRunner(draft.model, draft.backend, block_tables, caches, draft.device)

@@ -18,14 +18,13 @@ from pagedserve.engine.worker.batch import BlockTables, ScheduledSequence, StepL
 from pagedserve.engine.worker.cuda_graphs import cuda_graph_capture, graph_batch_sizes
 from pagedserve.engine.worker.distributed.launcher import TensorParallelWorkers, threads_per_rank
 from pagedserve.engine.worker.distributed.liveness import RankLostError
-from pagedserve.engine.worker.kernel_layouts import lay_out_for_kernels
+from pagedserve.engine.worker.kernel_layouts import use_activations
 from pagedserve.engine.worker.kv_caches import allocate_kv_caches
 from pagedserve.engine.worker.kv_groups import model_kv_groups
 from pagedserve.engine.worker.kv_sizing import KVCachePlan, plan_kv_cache
 from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.model_loader import load_model, resolve_device
 from pagedserve.engine.worker.model_runner import ModelRunner
-from pagedserve.engine.worker.native_decoder import use_activation_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +42,7 @@ class ModelExecutor:
             self.workers = TensorParallelWorkers.start(config, resolve_device(config.device))
         try:
             self.loaded = loaded or self._load()
-            use_activation_dtype(self.loaded.backend, config.activation_dtype)
-            lay_out_for_kernels(self.loaded.model, self.loaded.backend)
+            use_activations(self.loaded, config.activation_dtype)
             openmp_policy.warn_if_set_too_late(self.loaded.device.type)
             threads = threads_per_rank(config, self.loaded.device)
             if threads:

@@ -16,9 +16,11 @@ from typing import TypeVar
 
 from torch import nn
 
+from pagedserve.engine.worker.loaded_model import LoadedModel
 from pagedserve.engine.worker.models.causal_lm import CausalLM
 from pagedserve.engine.worker.models.layers import Linear, QuantizedEmbedding
 from pagedserve.engine.worker.models.llama import LlamaForCausalLM
+from pagedserve.engine.worker.native_decoder import use_activation_dtype
 from pagedserve.kernels import KernelBackend
 from pagedserve.kernels.interleaved_rows import ROW_GROUP, interleave_rows, interleaves, rows8_kernel_built
 from pagedserve.kernels.quantized import QuantizedWeight, tile_unit_takes
@@ -26,6 +28,14 @@ from pagedserve.kernels.stacked_weight import ProjectionWeight, RowStackedWeight
 
 logger = logging.getLogger(__name__)
 W = TypeVar("W", bound=ProjectionWeight)
+
+
+def use_activations(loaded: LoadedModel, setting: str) -> str:
+    """Sets the loaded model's activation dtype from EngineConfig.activation_dtype (native_decoder's
+    use_activation_dtype) and lays its weights out for it; returns the dtype chosen."""
+    chosen = use_activation_dtype(loaded.backend, setting)
+    lay_out_for_kernels(loaded.model, loaded.backend)
+    return chosen
 
 
 def lay_out_for_kernels(model: CausalLM, backend: KernelBackend) -> int:

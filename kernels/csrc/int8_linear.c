@@ -38,7 +38,8 @@ static const int8_format FORMATS[] = {
     {8, 32, 34, int8_dot_q8_0, int16_tile_q8_0, 0},    {2, 32, 18, int8_dot_q4_0, int16_tile_q4_0, 1},
     {3, 32, 20, int8_dot_q4_1, int16_tile_q4_1, 1},    {12, 256, 144, int8_dot_q4_k, int16_tile_q4_k, 0},
     {13, 256, 176, int8_dot_q5_k, int16_tile_q5_k, 0}, {14, 256, 210, int8_dot_q6_k, int16_tile_q6_k, 0},
-    {ROWS8_Q4_0_TYPE, 32, 18, NULL, NULL, 0, q4_0_rows8_tile}, {ROWS8_Q4_K_TYPE, 256, 144, NULL, NULL, 0, q4_k_rows8_tile},
+    {ROWS8_Q4_0_TYPE, 32, 18, NULL, NULL, 0, q4_0_rows8_tile},
+    {ROWS8_Q4_K_TYPE, 256, 144, NULL, NULL, 0, q4_k_rows8_tile},
     {ROWS8_Q6_K_TYPE, 256, 210, NULL, NULL, 0, q6_k_rows8_tile},
 };
 

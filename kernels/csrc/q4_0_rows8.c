@@ -27,8 +27,6 @@
 enum { CHUNKS = 8 };
 
 #ifdef INT8_AVX2
-/* How far ahead of its reading a group asks for its blocks (int16_dot.c's PREFETCH_BYTES, the same stream). */
-enum { PREFETCH_BYTES = 2048 };
 
 /*
  * sums[t * ROW_GROUP + r] = row r of the group . x[t] for T (1..4) tokens. A block's integer dots, exact in int32
@@ -43,9 +41,7 @@ static inline __attribute__((always_inline)) void group_tile(const uint8_t *grou
     const __m256i nibble = _mm256_set1_epi16(0x0F);
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t *block = group + b * ROWS8_Q4_0_BLOCK;
-        _mm_prefetch((const char *)(block + PREFETCH_BYTES), _MM_HINT_T0);
-        _mm_prefetch((const char *)(block + PREFETCH_BYTES + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(block + PREFETCH_BYTES + 128), _MM_HINT_T0);
+        prefetch_ahead(block, ROWS8_Q4_0_BLOCK);
         __m256i dots[4];
         for (int t = 0; t < T; ++t) dots[t] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -69,21 +65,7 @@ static inline __attribute__((always_inline)) void group_tile(const uint8_t *grou
     for (int t = 0; t < T; ++t) _mm256_storeu_ps(sums + t * ROW_GROUP, acc[t]);
 }
 
-void q4_0_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, int tokens, float *sums) {
-    switch (tokens) { /* T a constant in each copy, so that the accumulators live in registers */
-    case 1:
-        group_tile(group, blocks, x, sums, 1);
-        return;
-    case 2:
-        group_tile(group, blocks, x, sums, 2);
-        return;
-    case 3:
-        group_tile(group, blocks, x, sums, 3);
-        return;
-    default:
-        group_tile(group, blocks, x, sums, 4);
-    }
-}
+ROWS8_TILE(q4_0)
 #else
 /* Without AVX2 the same sums a weight at a time (correct everywhere; the engine lays weights out so only where
  * rows8_available says the vector kernels are built). */

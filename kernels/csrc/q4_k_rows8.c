@@ -26,9 +26,6 @@
 enum { GROUPS = 8, SEGMENTS = 4, SEGMENT_CHUNKS = 16, QUANTS_AT = 128 };
 
 #ifdef INT8_AVX2
-/* How far ahead of its reading a group asks for its super-blocks (the streams of q4_0_rows8.c). */
-enum { PREFETCH_BYTES = 2048 };
-
 /* Byte `lane_byte` (0-3) of each 32-bit lane of `words`, as eight floats: one group's scale (or min) of each row. */
 static inline __attribute__((always_inline)) __m256 lane_bytes(__m256i words, const int lane_byte) {
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, 8 * lane_byte), _mm256_set1_epi32(0xFF)));
@@ -63,10 +60,7 @@ static inline __attribute__((always_inline)) void group_tile(const uint8_t *grou
         };
         for (int segment = 0; segment < SEGMENTS; ++segment) {
             const uint8_t *chunks = block + QUANTS_AT + 16 * SEGMENT_CHUNKS * segment;
-            _mm_prefetch((const char *)(chunks + PREFETCH_BYTES), _MM_HINT_T0);
-            _mm_prefetch((const char *)(chunks + PREFETCH_BYTES + 64), _MM_HINT_T0);
-            _mm_prefetch((const char *)(chunks + PREFETCH_BYTES + 128), _MM_HINT_T0);
-            _mm_prefetch((const char *)(chunks + PREFETCH_BYTES + 192), _MM_HINT_T0);
+            prefetch_ahead(chunks, 16 * SEGMENT_CHUNKS);
             __m256i low_dots[4], high_dots[4];
             for (int t = 0; t < T; ++t) low_dots[t] = high_dots[t] = _mm256_setzero_si256();
 #pragma GCC unroll 16
@@ -100,21 +94,7 @@ static inline __attribute__((always_inline)) void group_tile(const uint8_t *grou
     for (int t = 0; t < T; ++t) _mm256_storeu_ps(sums + t * ROW_GROUP, acc[t]);
 }
 
-void q4_k_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, int tokens, float *sums) {
-    switch (tokens) { /* T a constant in each copy, so that the accumulators live in registers */
-    case 1:
-        group_tile(group, blocks, x, sums, 1);
-        return;
-    case 2:
-        group_tile(group, blocks, x, sums, 2);
-        return;
-    case 3:
-        group_tile(group, blocks, x, sums, 3);
-        return;
-    default:
-        group_tile(group, blocks, x, sums, 4);
-    }
-}
+ROWS8_TILE(q4_k)
 #else
 /* Without AVX2 the same sums a weight at a time (rows8_available in rows8_layout.c says which build this is). */
 void q4_k_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, int tokens, float *sums) {
@@ -135,7 +115,8 @@ void q4_k_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, i
                             const uint8_t byte = block[QUANTS_AT + 16 * (SEGMENT_CHUNKS * segment + k) + 2 * r + i];
                             dot += ((byte >> shift) & 0x0F) * x[t].q[256 * b + 32 * g + 2 * k + i];
                         }
-                    sum += d * scales[g] * x[t].d[GROUPS * b + g] * (float)dot - dmin * mins[g] * x[t].s[GROUPS * b + g];
+                    const int64_t at = GROUPS * b + g;
+                    sum += d * scales[g] * x[t].d[at] * (float)dot - dmin * mins[g] * x[t].s[at];
                 }
             }
             sums[t * ROW_GROUP + r] = sum;

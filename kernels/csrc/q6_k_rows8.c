@@ -26,8 +26,6 @@
 enum { GROUPS = 8, PAIRS = 16, HALF_BYTES = 768, SCALES_AT = 16, HALVES_AT = 144 };
 
 #ifdef INT8_AVX2
-enum { PREFETCH_BYTES = 2048 }; /* as q4_0_rows8.c */
-
 /* Scale i of the eight rows times d, as eight floats. */
 static inline __attribute__((always_inline)) __m256 row_scales(const uint8_t *block, int i, __m256 d) {
     const __m128i bytes = _mm_loadl_epi64((const __m128i *)(block + SCALES_AT + 8 * i));
@@ -49,14 +47,15 @@ static inline __attribute__((always_inline)) void group_tile(const uint8_t *grou
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
         for (int h = 0; h < 2; ++h) {
             const uint8_t *half = block + HALVES_AT + HALF_BYTES * h;
-            for (int line = 0; line < HALF_BYTES; line += 64) _mm_prefetch((const char *)(half + PREFETCH_BYTES + line), _MM_HINT_T0);
+            prefetch_ahead(half, HALF_BYTES);
             for (int run = 0; run < 2; ++run)
                 for (int sixteen = 0; sixteen < 2; ++sixteen) {
                     __m256i low_dots[4], high_dots[4];
                     for (int t = 0; t < T; ++t) low_dots[t] = high_dots[t] = _mm256_setzero_si256();
 #pragma GCC unroll 8
                     for (int p = 8 * sixteen; p < 8 * sixteen + 8; ++p) {
-                        const __m256i ql = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(half + 256 * run + 16 * p)));
+                        const __m128i ql_bytes = _mm_loadu_si128((const __m128i *)(half + 256 * run + 16 * p));
+                        const __m256i ql = _mm256_cvtepu8_epi16(ql_bytes);
                         const __m256i qh = _mm256_srli_epi16(
                             _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(half + 512 + 16 * p))), 2 * run);
                         const __m256i low_w = _mm256_sub_epi16(
@@ -90,21 +89,7 @@ static inline __attribute__((always_inline)) void group_tile(const uint8_t *grou
     for (int t = 0; t < T; ++t) _mm256_storeu_ps(sums + t * ROW_GROUP, acc[t]);
 }
 
-void q6_k_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, int tokens, float *sums) {
-    switch (tokens) { /* T a constant in each copy, so that the accumulators live in registers */
-    case 1:
-        group_tile(group, blocks, x, sums, 1);
-        return;
-    case 2:
-        group_tile(group, blocks, x, sums, 2);
-        return;
-    case 3:
-        group_tile(group, blocks, x, sums, 3);
-        return;
-    default:
-        group_tile(group, blocks, x, sums, 4);
-    }
-}
+ROWS8_TILE(q6_k)
 #else
 /* Without AVX2 the same sums a weight at a time (rows8_available in rows8_layout.c says which build this is). */
 void q6_k_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, int tokens, float *sums) {

@@ -1,6 +1,6 @@
 /*
- * Block formats with their rows interleaved eight at a time (q4_0_rows8.c, q4_k_rows8.c, q6_k_rows8.c; written by rows8_layout.c): the layouts' type ids,
- * and their products with 16-bit tokens.
+ * Block formats with their rows interleaved eight at a time (q4_0_rows8.c, q4_k_rows8.c, q6_k_rows8.c; written by
+ * rows8_layout.c): the layouts' type ids, and their products with 16-bit tokens.
  */
 #ifndef PAGEDSERVE_ROWS8_H
 #define PAGEDSERVE_ROWS8_H
@@ -45,6 +45,33 @@ static inline __attribute__((always_inline)) __m256i pair_products(__m256i acc, 
     return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
 #endif
 }
+
+/* How far ahead of its reading a group tile asks for its blocks: int16_dot.c's PREFETCH_BYTES, the same stream. */
+enum { PREFETCH_BYTES = 2048 };
+
+/* Asks for the cache lines of the `bytes` bytes PREFETCH_BYTES past `at`: the part of a group a tile reads next. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *at, const int bytes) {
+    for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(at + PREFETCH_BYTES + line), _MM_HINT_T0);
+}
+
+/* A format's exported tile from its group_tile(group, blocks, x, sums, T): T a constant in each of the four
+ * copies (1-4 tokens), so that the accumulators live in registers. */
+#define ROWS8_TILE(name)                                                                                             \
+    void name##_rows8_tile(const uint8_t *group, int64_t blocks, const q16_token *x, int tokens, float *sums) {      \
+        switch (tokens) {                                                                                            \
+        case 1:                                                                                                      \
+            group_tile(group, blocks, x, sums, 1);                                                                   \
+            return;                                                                                                  \
+        case 2:                                                                                                      \
+            group_tile(group, blocks, x, sums, 2);                                                                   \
+            return;                                                                                                  \
+        case 3:                                                                                                      \
+            group_tile(group, blocks, x, sums, 3);                                                                   \
+            return;                                                                                                  \
+        default:                                                                                                     \
+            group_tile(group, blocks, x, sums, 4);                                                                   \
+        }                                                                                                            \
+    }
 #endif
 
 #endif

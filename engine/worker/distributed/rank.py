@@ -22,12 +22,11 @@ from pagedserve.engine.worker.distributed.group import TensorParallelGroup
 from pagedserve.engine.worker.distributed.launcher import CONFIG_KEY, LOG_LEVEL_KEY, threads_per_rank
 from pagedserve.engine.worker.distributed.liveness import start_heartbeat
 from pagedserve.engine.worker.distributed.rendezvous import Rendezvous, connect_store, join_group, rank_device
-from pagedserve.engine.worker.kernel_layouts import lay_out_for_kernels
+from pagedserve.engine.worker.kernel_layouts import use_activations
 from pagedserve.engine.worker.kv_caches import allocate_kv_caches
 from pagedserve.engine.worker.kv_groups import model_kv_groups
 from pagedserve.engine.worker.model_loader import LoadedModel, load_model, resolve_device
 from pagedserve.engine.worker.model_runner import ShardRunner
-from pagedserve.engine.worker.native_decoder import use_activation_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +37,7 @@ class Follower:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, group: TensorParallelGroup) -> None:
         self.config = config
         self.loaded = loaded
-        use_activation_dtype(loaded.backend, config.activation_dtype)
-        lay_out_for_kernels(loaded.model, loaded.backend)
+        use_activations(loaded, config.activation_dtype)
         self.group = group
         self.runner: ShardRunner | None = None
 
