@@ -41,6 +41,7 @@ typedef struct {
 typedef struct {
     const int16_t *q;
     const float *d, *s;
+    const int32_t *sums16; /* each 16 integers' sum, where a format asks for them (sums_of_16_q16); else NULL */
 } q16_token;
 
 /* q [K], d [K / 32], s [K / 32] = x [K] quantized; K a multiple of 32. */
@@ -48,6 +49,10 @@ void quantize_q8(int8_t *q, float *d, float *s, const float *x, int64_t K);
 
 /* q [K], d [K / 32], s [K / 32] = x [K] quantized to 16 bits. */
 void quantize_q16(int16_t *q, float *d, float *s, const float *x, int64_t K);
+
+/* sums[i] = q[16i] + ... + q[16i + 15], i < K / 16: what Q6_K's interleaved layout (q6_k_rows8.c) takes its
+ * weights' offset of 32 off with, once per 16 weights instead of once per weight. */
+void sums_of_16_q16(int32_t *sums, const int16_t *q, int64_t K);
 
 /* A 16-bit token's q [K] put in the order Q4_0's and Q4_1's tile dots read it (int16_dot.c's unpack_block): in each
  * half of each block of 32, its 8 even features, then its 8 odd ones (nibble_order_feature in int16_formats.h). */

@@ -24,7 +24,8 @@
 
 /* One weight format: ggml's type id, its block, its row dots with 8-bit activations and its tile dots with
  * 16-bit ones, and whether those read x in nibble order (nibble_order_q16); or a layout of rows interleaved eight
- * at a time (rows8.h), which only its group tiles read, with 16-bit tokens. */
+ * at a time (rows8.h), which only its group tiles read, with 16-bit tokens, and whether they read the tokens'
+ * sums of 16 (q16_token's sums16). */
 typedef struct {
     int ggml_type;
     int64_t block_weights, block_bytes;
@@ -32,6 +33,7 @@ typedef struct {
     int16_tile_dot *tile16;
     int nibble_order;
     rows8_tile *group_tile;
+    int sums16;
 } int8_format;
 
 static const int8_format FORMATS[] = {
@@ -40,7 +42,7 @@ static const int8_format FORMATS[] = {
     {13, 256, 176, int8_dot_q5_k, int16_tile_q5_k, 0}, {14, 256, 210, int8_dot_q6_k, int16_tile_q6_k, 0},
     {ROWS8_Q4_0_TYPE, 32, 18, NULL, NULL, 0, q4_0_rows8_tile},
     {ROWS8_Q4_K_TYPE, 256, 144, NULL, NULL, 0, q4_k_rows8_tile},
-    {ROWS8_Q6_K_TYPE, 256, 210, NULL, NULL, 0, q6_k_rows8_tile},
+    {ROWS8_Q6_K_TYPE, 256, 210, NULL, NULL, 0, q6_k_rows8_tile, 1},
 };
 
 /* Weights a unit of parallel work holds at least when many tokens share each row (as block_rows.c). */
@@ -163,10 +165,12 @@ static int integer_linear(int bits, float *y, int64_t ldy_token, int64_t ldy_row
     /* From two tokens, the tile unit where it takes the format and the rows come in its groups. */
     const int tile_unit = bits == 16 && M >= 2 && N % AMX_ROWS == 0 && amx_tiles_for(ggml_type);
     const int64_t token_groups = (M + AMX_TOKENS - 1) / AMX_TOKENS;
-    /* Scratch: each token's description, scales and sums (floats first, for their alignment), then integers; the
-     * tile unit's byte pairs of them apart. */
+    /* Scratch: each token's description, scales and sums (floats first, for their alignment), the sums of 16 where
+     * the format reads them, then integers; the tile unit's byte pairs of them apart. */
     const size_t token_bytes = sizeof(q8_token) > sizeof(q16_token) ? sizeof(q8_token) : sizeof(q16_token);
-    void *scratch = malloc((size_t)M * (token_bytes + (size_t)blocks * 2 * sizeof(float) + (size_t)(K * value_bytes)));
+    const int64_t sums16 = format->sums16 ? K / 16 : 0;
+    void *scratch = malloc((size_t)M * (token_bytes + (size_t)blocks * 2 * sizeof(float) + (size_t)sums16 * 4 +
+                                        (size_t)(K * value_bytes)));
     int8_t *pairs = tile_unit ? aligned_alloc(64, (size_t)(token_groups * blocks * AMX_PAIR_BYTES)) : NULL;
     if (scratch == NULL || (tile_unit && pairs == NULL)) {
         free(scratch);
@@ -174,7 +178,8 @@ static int integer_linear(int bits, float *y, int64_t ldy_token, int64_t ldy_row
         return -2;
     }
     float *scales = (float *)((char *)scratch + (size_t)M * token_bytes);
-    char *ints = (char *)(scales + 2 * M * blocks);
+    int32_t *sums_of_16 = (int32_t *)(scales + 2 * M * blocks);
+    char *ints = (char *)(sums_of_16 + M * sums16);
     q8_token *tokens8 = bits == 8 ? scratch : NULL;
     q16_token *tokens16 = bits == 16 ? scratch : NULL;
     for (int64_t m = 0; m < M; ++m) {
@@ -183,7 +188,9 @@ static int integer_linear(int bits, float *y, int64_t ldy_token, int64_t ldy_row
         if (tokens16) {
             quantize_q16(q, d, s, x + m * ldx, K);
             if (format->nibble_order && !tile_unit) nibble_order_q16(q, K);
-            tokens16[m] = (q16_token){q, d, s};
+            int32_t *sums = sums16 ? sums_of_16 + m * sums16 : NULL;
+            if (sums) sums_of_16_q16(sums, q, K);
+            tokens16[m] = (q16_token){q, d, s, sums};
         } else {
             quantize_q8(q, d, s, x + m * ldx, K);
             tokens8[m] = (q8_token){q, d, s};

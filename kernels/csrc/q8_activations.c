@@ -103,6 +103,14 @@ void quantize_q16(int16_t *q, float *d, float *s, const float *x, int64_t K) {
     for (int64_t b = 0; b < K / Q8_BLOCK; ++b) quantize_block16(q + b * Q8_BLOCK, d + b, s + b, x + b * Q8_BLOCK);
 }
 
+void sums_of_16_q16(int32_t *sums, const int16_t *q, int64_t K) {
+    for (int64_t i = 0; i < K / 16; ++i) {
+        int32_t sum = 0;
+        for (int k = 0; k < 16; ++k) sum += q[16 * i + k];
+        sums[i] = sum;
+    }
+}
+
 /* Each half block's 16 integers: evens, then odds. AVX2: a byte shuffle within each 128-bit lane (its four even
  * integers, then its four odd ones), then a permute of quadwords puts both lanes' evens first. */
 #ifdef INT8_AVX2
