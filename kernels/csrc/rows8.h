@@ -40,10 +40,14 @@ static inline __attribute__((always_inline)) __m256i pair_products(__m256i acc, 
     memcpy(&both, pair, sizeof both);
     const __m256i x = _mm256_set1_epi32(both);
 #ifdef INT8_VNNI
-    return _mm256_dpwssd_epi32(acc, w, x);
+    acc = _mm256_dpwssd_epi32(acc, w, x);
 #else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
 #endif
+    /* Opaque to the compiler from here: else GCC reassociates a tile's unrolled chain of integer adds into a tree
+     * whose every product is live at once, and spills them all to the stack (4 tokens ran at half speed). */
+    __asm__("" : "+x"(acc));
+    return acc;
 }
 
 /* How far ahead of its reading a group tile asks for its blocks: int16_dot.c's PREFETCH_BYTES, the same stream. */
