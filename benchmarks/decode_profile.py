@@ -1,13 +1,13 @@
-"""Where one stream's decode step spends its time: the native decoder's layers, the LM head, the sampler and the
-rest of the engine's step, on any model (a GGUF file as it is served).
+"""Where a decode step spends its time: the native decoder's layers, the LM head, the sampler and the rest of the
+engine's step, on any model (a GGUF file as it is served), for one stream or --streams decoding together.
 
 The engine core runs on a thread of this process (LLM.from_config with the model loaded here) and each piece
-is timed where it is called, over one request's greedy tokens after a warm-up request. --cpu-time times the
+is timed where it is called, over the requests' greedy tokens after a warm-up request. --cpu-time times the
 core thread's CPU time instead of the wall clock: with one thread that is the work itself (arithmetic and
 waits on memory), which a machine shared with other work does not inflate as it does the wall clock.
 
     python -m benchmarks.gguf_models --shape 1b --mix q4_0 --out /tmp/llama-1b-q4_0.gguf
-    python -m benchmarks.decode_profile /tmp/llama-1b-q4_0.gguf [--threads 1 --cpu-time] [--tokens 64]
+    python -m benchmarks.decode_profile /tmp/llama-1b-q4_0.gguf [--threads 1 --cpu-time] [--tokens 64] [--streams 8]
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=1, help="requests decoding together (a step's tokens)")
     parser.add_argument("--activation-dtype", default="auto")
     parser.add_argument("--cpu-time", action="store_true", help="the core thread's CPU time, not the wall clock")
     args = parser.parse_args()
@@ -89,13 +90,15 @@ def main() -> None:
     llm.generate(["Hello"], params, use_tqdm=False)  # warm-up
     timings.clear()
     start = time.perf_counter()
-    output = llm.generate(["What is the capital of France?"], params, use_tqdm=False)
+    prompts = [f"Question {i}: what is the capital of France?" for i in range(args.streams)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     llm.close()
-    tokens = len(output[0].outputs[0].token_ids)
+    tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
     clock = "one thread's CPU time" if args.cpu_time else "wall clock"
     now = datetime.datetime.now(datetime.timezone.utc)
-    print(f"{cpu_model()}, {args.threads} threads, {clock}; {now:%Y-%m-%d %H:%M} UTC, load {os.getloadavg()[0]:.1f}")
+    print(f"{cpu_model()}, {args.threads} threads, {args.streams} streams, {clock}; {now:%Y-%m-%d %H:%M} UTC, "
+          f"load {os.getloadavg()[0]:.1f}")
     print(f"{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s (wall clock)\n")
     print("| piece | ms a step |")
     print("|---|---:|")
