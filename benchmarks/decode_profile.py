@@ -97,8 +97,10 @@ def main() -> None:
     tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
     clock = "one thread's CPU time" if args.cpu_time else "wall clock"
     now = datetime.datetime.now(datetime.timezone.utc)
-    print(f"{cpu_model()}, {args.threads} threads, {args.streams} streams, {clock}; {now:%Y-%m-%d %H:%M} UTC, "
-          f"load {os.getloadavg()[0]:.1f}")
+    print(
+        f"{cpu_model()}, {args.threads} threads, {args.streams} streams, {clock}; {now:%Y-%m-%d %H:%M} UTC, "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
     print(f"{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s (wall clock)\n")
     print("| piece | ms a step |")
     print("|---|---:|")
