@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.engine.worker.weights.gguf_config import gguf_config_values
 from pagedserve.engine.worker.weights.gguf_gemma import with_gemma_settings
 from pagedserve.engine.worker.weights.gguf_mixtral import with_llama_experts
 from pagedserve.engine.worker.weights.gguf_phi3 import phi3_rope_config
@@ -200,9 +201,8 @@ def _experts_width(config: Any, index: TensorIndex) -> None:
 def _config(gguf_file: Path) -> Any:
     """transformers' config of the file, from one parse of its metadata (what AutoConfig does with gguf_file)."""
     from transformers import CONFIG_MAPPING
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    values = load_gguf_checkpoint(str(gguf_file), return_tensors=False)["config"]
+    values = gguf_config_values(gguf_file)
     if values["model_type"] == "phi3":
         values = phi3_rope_config(gguf_file, values)
     values = with_gemma_settings(gguf_file, values)
