@@ -12,7 +12,7 @@ equal on every family the tests write.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 # Architectures whose config load_gguf_checkpoint takes from the key mapping alone (and a default or two).
 MAPPED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", "phi3"})
@@ -33,7 +33,7 @@ def gguf_config_values(gguf_file: Path) -> dict[str, Any]:
     values: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensor_names}
     for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture, {}).items():
         values.setdefault(key, value)
-    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    renames = cast(dict[str, dict[str, Any]], GGUF_TO_TRANSFORMERS_MAPPING["config"])
     for key, value in metadata.items():
         prefix, _, rest = key.partition(".")
         renamed = renames.get(prefix, {}).get(rest)
