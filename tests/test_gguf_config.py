@@ -58,17 +58,20 @@ def test_mapped_architectures_read_the_metadata_alone_and_agree(
         patched.setattr(gguf_config, "_values_from_checkpoint", lambda _: pytest.fail("took the full parse"))
         fast = gguf_config.gguf_config_values(path)
     assert fast == full
+    assert {key: type(value) for key, value in fast.items()} == {key: type(value) for key, value in full.items()}
+    name = gguf_config.TRANSFORMERS_NAMES.get(arch, arch)
+    assert fast["model_type"] == gguf_config.TEXT_MODEL_TYPES.get(name, name)  # e.g. qwen2_moe, gemma3_text
 
 
 def test_the_embedded_model_agrees() -> None:
     assert_same_values(embedded_gguf_path())
 
 
-@pytest.mark.parametrize(("arch", "name"), [("llama", "mistral"), ("gemma2", "tiny")])
+@pytest.mark.parametrize(("arch", "name"), [("llama", "mistral"), ("starcoder2", "tiny")])
 def test_other_files_take_the_full_parse(
     arch: str, name: str, smol_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Llama file named Mistral becomes a Mistral config inside load_gguf_checkpoint; Gemma 2 is not mapped."""
+    """A Llama file named Mistral becomes a Mistral config inside load_gguf_checkpoint; StarCoder2 is not read here."""
     path = write_metadata_file(tmp_path / f"{arch}.gguf", arch, smol_dir, name=name)
     calls: list[Path] = []
     full = gguf_config._values_from_checkpoint
