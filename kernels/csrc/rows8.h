@@ -45,7 +45,7 @@ static inline __attribute__((always_inline)) __m256i pair_products(__m256i acc, 
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
 #endif
     /* Opaque to the compiler from here: else GCC reassociates a tile's unrolled chain of integer adds into a tree
-     * whose every product is live at once, and spills them all to the stack (4 tokens ran at half speed). */
+     * whose every product is live at once, and spills them all to the stack (4 tokens took 1.5x the time). */
     __asm__("" : "+x"(acc));
     return acc;
 }
