@@ -34,7 +34,7 @@ from pagedserve.engine.worker.models.layers import QuantizedEmbedding, vocab_row
 from pagedserve.engine.worker.models.llama import rank_slice
 from pagedserve.engine.worker.models.phi3 import fused_row_order
 from pagedserve.engine.worker.weights.block_shards import CheckpointSlice, on_block_boundaries, read_shard
-from pagedserve.engine.worker.weights.gguf_files import StoredTensor, TensorIndex
+from pagedserve.engine.worker.weights.gguf_index import StoredTensor, TensorIndex
 from pagedserve.engine.worker.weights.gguf_moe import load_gguf_experts
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.quantized import FORMATS, QuantizedWeight

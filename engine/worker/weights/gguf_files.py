@@ -22,12 +22,12 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pagedserve.engine.worker.weights.gguf_config import gguf_config_values
 from pagedserve.engine.worker.weights.gguf_gemma import with_gemma_settings
+from pagedserve.engine.worker.weights.gguf_index import StoredTensor, TensorIndex, read_index
 from pagedserve.engine.worker.weights.gguf_mixtral import with_llama_experts
 from pagedserve.engine.worker.weights.gguf_phi3 import phi3_rope_config
 
@@ -36,29 +36,6 @@ logger = logging.getLogger(__name__)
 SOURCE_FILE = "pagedserve_source.json"
 INDEX_FILE = "pagedserve_tensors.json"
 FOLDER_FORMAT = 3  # bumped whenever these folders change, so stale ones are not reused (2: float32 weights)
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """One tensor of a GGUF file: its ggml type id, its dimensions innermost first (as GGUF lists them), and
-    where its bytes lie in the file."""
-
-    name: str
-    ggml_type: int
-    dims: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Outermost first, as torch orders them: (out, in) for a linear layer's weight."""
-        return tuple(reversed(self.dims))
-
-
-@dataclass(frozen=True)
-class TensorIndex:
-    architecture: str  # general.architecture: "llama", "qwen2", ...
-    tensors: dict[str, StoredTensor]
 
 
 def cache_root() -> Path:
@@ -109,37 +86,6 @@ def load_index(model_dir: Path, gguf_file: Path) -> TensorIndex:
             tensors = {t[0]: StoredTensor(t[0], t[1], tuple(t[2]), t[3], t[4]) for t in data["tensors"]}
             return TensorIndex(data["architecture"], tensors)
     return read_index(gguf_file)
-
-
-def read_index(gguf_file: Path) -> TensorIndex:
-    """The file's tensor table, read without touching a tensor: transformers' header reader takes milliseconds
-    where gguf-py's (the fallback, for older transformers) parses every metadata field first."""
-    try:
-        from transformers.integrations.gguf.reader import GgufHeader
-
-        header = GgufHeader.from_file(str(gguf_file))
-    except (ImportError, ValueError):  # older transformers; or a type it does not size (Q5_0, Q5_1, TQ*, ...)
-        return _read_index_with_gguf_py(gguf_file)
-    tensors = {
-        t.name: StoredTensor(t.name, t.ggml_type, tuple(reversed(t.shape)), header.data_start + t.offset, t.nbytes)
-        for t in header.tensors
-    }
-    return TensorIndex(header.architecture, tensors)
-
-
-def _read_index_with_gguf_py(gguf_file: Path) -> TensorIndex:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_file)  # a memory map: no tensor's bytes are read here
-    field = reader.fields.get("general.architecture")
-    architecture = "" if field is None else bytes(field.parts[field.data[0]]).decode()
-    tensors = {
-        t.name: StoredTensor(
-            t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset), int(t.n_bytes)
-        )
-        for t in reader.tensors
-    }
-    return TensorIndex(architecture, tensors)
 
 
 def _cached_folder(gguf_file: Path, suffix: str) -> Path:

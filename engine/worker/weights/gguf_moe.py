@@ -20,7 +20,7 @@ import torch
 from pagedserve.engine.worker.models.moe import MoeForCausalLM
 from pagedserve.engine.worker.models.moe_blocks import SparseMoeBlock
 from pagedserve.engine.worker.weights.block_shards import CheckpointSlice, on_block_boundaries, read_shard
-from pagedserve.engine.worker.weights.gguf_files import StoredTensor
+from pagedserve.engine.worker.weights.gguf_index import StoredTensor
 from pagedserve.kernels.device_blocks import AnyQuantizedWeight
 from pagedserve.kernels.moe import ExpertWeight
 from pagedserve.kernels.quantized import QuantizedWeight

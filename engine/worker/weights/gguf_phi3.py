@@ -11,32 +11,51 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from pagedserve.engine.worker.weights.gguf_index import read_index
+from pagedserve.engine.worker.weights.gguf_metadata import file_scalars
+
+FACTOR_DTYPES = {0: np.float32, 1: np.float16}  # ggml's F32, F16: how converters store the factors
+
 
 def phi3_rope_config(gguf_file: Path, config: dict[str, Any]) -> dict[str, Any]:
     """`config` (transformers' values for the file) with the file's partial rotary dimensions and LongRoPE."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_file)
+    metadata = file_scalars(gguf_file, "phi3")
     head_dim = config["hidden_size"] // config["num_attention_heads"]
-    rotated = _field(reader, "phi3.rope.dimension_count")
+    rotated = metadata.get("rope.dimension_count")
     out = dict(config)
     if rotated is not None and int(rotated) < head_dim:
         out["partial_rotary_factor"] = int(rotated) / head_dim
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    if "rope_factors_long.weight" in tensors and "rope_factors_short.weight" in tensors:
-        original = _field(reader, "phi3.rope.scaling.original_context_length")
+    factors = _rope_factors(gguf_file)
+    if factors:
+        original = metadata.get("rope.scaling.original_context_length")
         if original is None:
             raise ValueError(f"{gguf_file.name} has LongRoPE factors but no rope.scaling.original_context_length")
         out["original_max_position_embeddings"] = int(original)
         out["rope_scaling"] = {
             "rope_type": "longrope",
-            "short_factor": tensors["rope_factors_short.weight"].data.astype(float).tolist(),
-            "long_factor": tensors["rope_factors_long.weight"].data.astype(float).tolist(),
+            "short_factor": factors["short"],
+            "long_factor": factors["long"],
             "original_max_position_embeddings": int(original),
         }  # the attention factor follows from the two lengths, as transformers computes it
     return out
 
 
-def _field(reader: Any, key: str) -> float | None:
-    field = reader.fields.get(key)
-    return None if field is None else float(field.parts[field.data[0]][0])
+def _rope_factors(gguf_file: Path) -> dict[str, list[float]]:
+    """The file's LongRoPE factors by kind ("short", "long"), read from their offsets; empty if it has none."""
+    tensors = read_index(gguf_file).tensors
+    names = {kind: f"rope_factors_{kind}.weight" for kind in ("short", "long")}
+    if any(name not in tensors for name in names.values()):
+        return {}
+    factors = {}
+    for kind, name in names.items():
+        tensor = tensors[name]
+        dtype = FACTOR_DTYPES.get(tensor.ggml_type)
+        if dtype is None:
+            raise ValueError(f"{gguf_file.name}: rope_factors_{kind} in ggml type {tensor.ggml_type}, not F32 or F16")
+        values = np.fromfile(
+            gguf_file, dtype=dtype, count=tensor.nbytes // np.dtype(dtype).itemsize, offset=tensor.offset
+        )
+        factors[kind] = values.astype(float).tolist()
+    return factors
