@@ -8,8 +8,9 @@ Each server runs alone with the same threads (2 by default), in turn, on the sam
   empty cache folder (PAGEDSERVE_CACHE_DIR: the file's config, tokenizer and tensor index are read once), then
   with it filled;
 - memory: the process tree's peak resident memory while loading, and once ready (after the first request);
-- one stream: short chat prompts one after another, 128 output tokens each, greedy, EOS ignored; tokens/s and
-  the weight bytes those tokens read each second (every projection and the head once a token);
+- one stream: short chat prompts one after another, 128 output tokens each, greedy, EOS ignored, streamed;
+  tokens/s over the requests' whole time, and over their decoding alone (first token to last, so without the
+  prompts' prefill): the weight bytes decoding reads each second (every projection and the head once a token);
 - N streams: N such requests at once, output tokens/s over the batch.
 The machine's copy bandwidth (a 1 GiB torch copy with the same threads, read + write bytes) is measured in the
 same run: one stream's weight read rate is compared with it.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -31,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.compare import USER_ENV, ManagedServer, free_port, process_tree, resident_kib
-from pagedserve.engine.worker.weights.gguf_files import read_index
+from pagedserve.engine.worker.weights.gguf_index import read_index
 
 HOST = "127.0.0.1"
 PROMPTS = (
@@ -96,30 +98,49 @@ def started(server: ManagedServer) -> Iterator[tuple[ManagedServer, float, float
         yield server, ready_s, memory.peak_mib
 
 
-async def chat(client: httpx.AsyncClient, base: str, prompt: str, tokens: int) -> int:
+async def chat(client: httpx.AsyncClient, base: str, prompt: str, tokens: int) -> tuple[int, float]:
+    """Streams one chat completion: (completion tokens, seconds from its first token to its last)."""
     body = {
         "model": client.headers["x-model"],
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": tokens,
         "temperature": 0,
         "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
-    response = await client.post(f"{base}/v1/chat/completions", json=body, timeout=600)
-    response.raise_for_status()
-    return int(response.json()["usage"]["completion_tokens"])
+    first = last = 0.0
+    completion_tokens = 0
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk.get("choices"):  # the first with text marks the first token (a role-only chunk may come before)
+                last = time.perf_counter()
+                first = first or (last if chunk["choices"][0].get("delta", {}).get("content") else 0.0)
+            if chunk.get("usage"):
+                completion_tokens = int(chunk["usage"]["completion_tokens"])
+    return completion_tokens, last - first
 
 
-async def tokens_per_second(base: str, streams: int, tokens: int, rounds: int) -> float:
-    """Output tokens/s: `streams` requests at once, `rounds` times (one stream: one request after another)."""
-    async with httpx.AsyncClient() as client:
+async def tokens_per_second(base: str, streams: int, tokens: int, rounds: int) -> tuple[float, float]:
+    """Output tokens/s over the whole run, and over the requests' decoding alone (tokens after each one's first,
+    over its first-to-last seconds): `streams` requests at once, `rounds` times (one stream: one after another)."""
+    # A connection per request: llama-server may close one after a stream, and a pooled one it closed fails the next.
+    async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as client:
         models = (await client.get(f"{base}/v1/models")).json()["data"]
         client.headers["x-model"] = models[0]["id"]  # the name each server answers to
         await chat(client, base, PROMPTS[0], 8)  # warm-up
-        start, produced = time.perf_counter(), 0
+        start, produced, decoded, decoding_s = time.perf_counter(), 0, 0, 0.0
         for round_ in range(rounds):
             batch = [chat(client, base, PROMPTS[(round_ + i) % len(PROMPTS)], tokens) for i in range(streams)]
-            produced += sum(await asyncio.gather(*batch))
-        return produced / (time.perf_counter() - start)
+            for completion_tokens, seconds in await asyncio.gather(*batch):
+                produced += completion_tokens
+                decoded += completion_tokens - 1
+                decoding_s += seconds
+        return produced / (time.perf_counter() - start), decoded / decoding_s * streams
 
 
 def copy_bandwidth_gbs(threads: int) -> float:
@@ -146,10 +167,10 @@ def weight_bytes_per_token(model: Path) -> int:
 
 def measure(server: ManagedServer, args: argparse.Namespace) -> dict[str, float]:
     base = server.ready_url.rsplit("/", 1)[0]
-    one = asyncio.run(tokens_per_second(base, 1, args.output_tokens, len(PROMPTS)))
+    one, one_decoding = asyncio.run(tokens_per_second(base, 1, args.output_tokens, len(PROMPTS)))
     rss = server.resident_mib()
-    many = asyncio.run(tokens_per_second(base, args.streams, args.output_tokens, 1))
-    return {"one": one, "many": many, "rss": rss}
+    many, _ = asyncio.run(tokens_per_second(base, args.streams, args.output_tokens, 1))
+    return {"one": one, "decoding": one_decoding, "many": many, "rss": rss}
 
 
 def main() -> None:
@@ -196,12 +217,14 @@ def report(
     print(f"{args.model.name}: {size_mib:.0f} MiB, {per_token / 2**20:.0f} MiB of weights read per token; "
           f"{args.threads} threads; copy bandwidth {bandwidth:.1f} GB/s (read + write)")  # fmt: skip
     print("| server | ready, cold (s) | ready (s) | peak loading (MiB) | resident (MiB) | 1 stream tok/s | "
-          f"weights read (GB/s, % of copy) | {args.streams} streams tok/s |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "decoding tok/s | decoding's weights read (GB/s, % of copy) | "
+          f"{args.streams} streams tok/s |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, row in rows.items():
-        read = row["one"] * per_token / 1e9
+        read = row["decoding"] * per_token / 1e9
         print(f"| {name} | {row['cold']:.1f} | {row['ready']:.1f} | {row['peak']:.0f} | {row['rss']:.0f} | "
-              f"{row['one']:.1f} | {read:.1f} ({100 * read / bandwidth:.0f}%) | {row['many']:.1f} |")  # fmt: skip
+              f"{row['one']:.1f} | {row['decoding']:.1f} | {read:.1f} ({100 * read / bandwidth:.0f}%) | "
+              f"{row['many']:.1f} |")  # fmt: skip
     if len(rows) == 2:
         ours, theirs = rows["pagedserve"], rows["llama.cpp"]
         print(f"pagedserve / llama.cpp: 1 stream {ours['one'] / theirs['one']:.2f}x, "
