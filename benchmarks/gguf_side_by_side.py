@@ -12,8 +12,10 @@ Each server runs alone with the same threads (2 by default), in turn, on the sam
   tokens/s over the requests' whole time, and over their decoding alone (first token to last, so without the
   prompts' prefill): the weight bytes decoding reads each second (every projection and the head once a token);
 - N streams: N such requests at once, output tokens/s over the batch.
-The machine's copy bandwidth (a 1 GiB torch copy with the same threads, read + write bytes) is measured in the
-same run: one stream's weight read rate is compared with it.
+The machine's copy bandwidth (a 1 GiB torch copy with the same threads, read + write bytes) is measured just
+before and just after each server's one stream, and that stream's weight read rate is compared with the mean of
+the two: on a shared machine the copy's rate moves by a third within minutes. A read-only pass over the same
+GiB (a sum), measured alongside, shows how close to the memory's read rate decoding comes.
 """
 
 from __future__ import annotations
@@ -143,19 +145,23 @@ async def tokens_per_second(base: str, streams: int, tokens: int, rounds: int) -
         return produced / (time.perf_counter() - start), decoded / decoding_s * streams
 
 
-def copy_bandwidth_gbs(threads: int) -> float:
-    """A 1 GiB float32 copy with `threads` threads, read + write bytes per second (STREAM's Copy), best of 5."""
+def bandwidth_gbs(threads: int) -> tuple[float, float]:
+    """GB/s with `threads` threads, best of 5: a 1 GiB float32 copy (read + write bytes, STREAM's Copy), and a
+    sum of the same GiB (bytes read)."""
     import torch
 
     torch.set_num_threads(threads)
     source = torch.ones(2**28)
     target = torch.empty_like(source)
-    best = float("inf")
+    nbytes = source.numel() * 4
+    copy = read = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         target.copy_(source)
-        best = min(best, time.perf_counter() - start)
-    return 2 * source.numel() * 4 / best / 1e9
+        middle = time.perf_counter()
+        source.sum()
+        copy, read = min(copy, middle - start), min(read, time.perf_counter() - middle)
+    return 2 * nbytes / copy / 1e9, nbytes / read / 1e9
 
 
 def weight_bytes_per_token(model: Path) -> int:
@@ -167,10 +173,13 @@ def weight_bytes_per_token(model: Path) -> int:
 
 def measure(server: ManagedServer, args: argparse.Namespace) -> dict[str, float]:
     base = server.ready_url.rsplit("/", 1)[0]
+    before = bandwidth_gbs(args.threads)
     one, one_decoding = asyncio.run(tokens_per_second(base, 1, args.output_tokens, len(PROMPTS)))
+    after = bandwidth_gbs(args.threads)
     rss = server.resident_mib()
     many, _ = asyncio.run(tokens_per_second(base, args.streams, args.output_tokens, 1))
-    return {"one": one, "decoding": one_decoding, "many": many, "rss": rss}
+    copy, read = ((b + a) / 2 for b, a in zip(before, after, strict=True))
+    return {"one": one, "decoding": one_decoding, "many": many, "rss": rss, "copy": copy, "read": read}
 
 
 def main() -> None:
@@ -206,24 +215,22 @@ def main() -> None:
             peak,
         ):
             rows["llama.cpp"] = {"cold": ready_s, "ready": ready_s, "peak": peak, **measure(server, args)}
-    bandwidth = copy_bandwidth_gbs(args.threads)
-    report(args, size_mib, per_token, bandwidth, rows)
+    report(args, size_mib, per_token, rows)
     print(f"(server logs in {logs})")
 
 
-def report(
-    args: argparse.Namespace, size_mib: float, per_token: int, bandwidth: float, rows: dict[str, dict[str, float]]
-) -> None:
+def report(args: argparse.Namespace, size_mib: float, per_token: int, rows: dict[str, dict[str, float]]) -> None:
     print(f"{args.model.name}: {size_mib:.0f} MiB, {per_token / 2**20:.0f} MiB of weights read per token; "
-          f"{args.threads} threads; copy bandwidth {bandwidth:.1f} GB/s (read + write)")  # fmt: skip
+          f"{args.threads} threads")  # fmt: skip
     print("| server | ready, cold (s) | ready (s) | peak loading (MiB) | resident (MiB) | 1 stream tok/s | "
-          "decoding tok/s | decoding's weights read (GB/s, % of copy) | "
-          f"{args.streams} streams tok/s |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "decoding tok/s | decoding's weights read (GB/s) | copy around it (GB/s, read + write) | % of copy | "
+          f"read-only pass (GB/s) | % of it | {args.streams} streams tok/s |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, row in rows.items():
         read = row["decoding"] * per_token / 1e9
         print(f"| {name} | {row['cold']:.1f} | {row['ready']:.1f} | {row['peak']:.0f} | {row['rss']:.0f} | "
-              f"{row['one']:.1f} | {row['decoding']:.1f} | {read:.1f} ({100 * read / bandwidth:.0f}%) | "
+              f"{row['one']:.1f} | {row['decoding']:.1f} | {read:.1f} | {row['copy']:.1f} | "
+              f"{100 * read / row['copy']:.0f}% | {row['read']:.1f} | {100 * read / row['read']:.0f}% | "
               f"{row['many']:.1f} |")  # fmt: skip
     if len(rows) == 2:
         ours, theirs = rows["pagedserve"], rows["llama.cpp"]
