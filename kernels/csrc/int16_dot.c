@@ -7,10 +7,10 @@
  * A tile is a row (two, for the 32-weight formats) against up to TILE_TOKENS tokens. Each weight block is
  * unpacked to int16 lanes once for all of them, where a token at a time unpacked it again for each (the
  * unpacking costs as much as the products); with AVX-512, four tokens' dots are summed across lanes together and
- * scaled in one four-lane multiply-add (in_fours). One token of a 32-weight format has a row kernel of its own (one_token_32): a scalar
- * scale a block and the offsets as scalar terms, ~13% fewer cycles than a tile of one (Zen 4). Q4_0's and Q4_1's
- * x comes in nibble order (nibble_order_q16), so that their nibbles unpack without a shuffle. Without AVX2:
- * int16_dot_portable.c.
+ * scaled in one four-lane multiply-add (in_fours). One token of a 32-weight format has a row kernel of its own
+ * (one_token_32): a scalar scale a block and the offsets as scalar terms, ~13% fewer cycles than a tile of one
+ * (Zen 4). Q4_0's and Q4_1's x comes in nibble order (nibble_order_q16), so that their nibbles unpack without a
+ * shuffle. Without AVX2: int16_dot_portable.c.
  */
 #include "half_float.h"
 #include "int16_formats.h"
@@ -107,8 +107,8 @@ enum { MANY_REGISTERS = 0 };
 
 /* Tokens of a tile that are summed four at a time (the rest a token at a time). With AVX-512: the 32-weight
  * formats' first T - T % 4, the K-quants' all or none (their mixed tiles of 5-7 tokens came out slower). With
- * AVX2, none: summing four dots across lanes every block made tiles of 4 and 8 tokens 1.2-1.5x the time a token
- * of those of 5-7 (Zen 3, in cache); a token at a time, 4 tokens take 0.68-0.83x the time they took. */
+ * AVX2, none: summing four dots across lanes every block made tiles of 4 tokens 1.3-1.6x the time a token of
+ * those of 5-7 (Zen 3, in cache); a token at a time, 4 tokens take 0.68-0.85x the time they took. */
 static inline __attribute__((always_inline)) int in_fours(const enum format format, const int T) {
     if (!MANY_REGISTERS) return 0;
     return format < Q4_K ? T - T % 4 : (T % 4 == 0 ? T : 0);

@@ -81,7 +81,7 @@ static int tokens_from(const int8_job *job, int64_t m, int most) {
 }
 
 /* The most tokens a 16-bit tile takes here. With AVX2's 16 vector registers a tile of TILE_TOKENS spills (Zen 3,
- * in cache: a token's 32 weights 1.35-1.54 ns where tiles of 4-6 take 1.01-1.39); AVX-512's 32 hold it. */
+ * in cache: 1.07-1.41x the time a token of the same format's best tile of 4-6); AVX-512's 32 hold it. */
 #if defined(__AVX512VL__)
 enum { WIDEST_TILE = TILE_TOKENS };
 #else
