@@ -38,7 +38,7 @@ from tests.test_kernels_quantized import random_weight
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 QTYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
-TOKENS = (1, 2, 5, 8, 15)  # any count: tiles of 8 tokens (csrc/int16_dot.c), whole and cut short
+TOKENS = (1, 2, 5, 8, 15)  # any count: tiles of up to 7 tokens, 8 with AVX-512 (csrc/int8_linear.c), whole and split
 BITS = (8, 16)
 DTYPES = {8: "int8", 16: "int16"}
 NARROWER_BUILDS = {"avx2": "-mno-avx512f", "portable": "-mno-avx"}
@@ -138,8 +138,9 @@ def test_integer_kernel_is_the_reference(qtype: str, tokens: int, bits: int) -> 
 @pytest.mark.parametrize("tokens", (1, 2, 4, 6, 7, 12))
 def test_int16_tiles_are_the_reference_on_odd_rows_and_partial_tiles(qtype: str, tokens: int) -> None:
     """37 rows: the 32-weight formats' tiles of two rows end on a row alone; 1 token: a row at a time with its own
-    kernel (csrc/int16_dot.c's one_token_32); 4 and 12 tokens: tiles of four tokens summed together, and a tile
-    of eight followed by one of four; 6 and 7: four summed together and the rest a token at a time."""
+    kernel (csrc/int16_dot.c's one_token_32); with AVX-512, 4 and 12 tokens: tiles of four tokens summed together,
+    and a tile of eight followed by one of four; 6 and 7: four summed together and the rest a token at a time; with
+    AVX2, every token a token at a time, 12 as two tiles of six."""
     weight, x = weight_of(qtype, out_features=37), activations(tokens)
     bias = torch.randn(37)
     expected = int8_linear_reference(x, weight, bias, bits=16)
