@@ -128,8 +128,8 @@ async def chat(client: httpx.AsyncClient, base: str, prompt: str, tokens: int) -
 
 
 async def tokens_per_second(base: str, streams: int, tokens: int, rounds: int) -> tuple[float, float]:
-    """Output tokens/s over the whole run, and over the requests' decoding alone (tokens after each one's first,
-    over its first-to-last seconds): `streams` requests at once, `rounds` times (one stream: one after another)."""
+    """Output tokens/s over the whole run, and a stream's decoding rate (tokens after each request's first, over
+    its first-to-last seconds): `streams` requests at once, `rounds` times (one stream: one after another)."""
     # A connection per request: llama-server may close one after a stream, and a pooled one it closed fails the next.
     async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as client:
         models = (await client.get(f"{base}/v1/models")).json()["data"]
@@ -142,7 +142,7 @@ async def tokens_per_second(base: str, streams: int, tokens: int, rounds: int) -
                 produced += completion_tokens
                 decoded += completion_tokens - 1
                 decoding_s += seconds
-        return produced / (time.perf_counter() - start), decoded / decoding_s * streams
+        return produced / (time.perf_counter() - start), decoded / decoding_s
 
 
 def bandwidth_gbs(threads: int) -> tuple[float, float]:
