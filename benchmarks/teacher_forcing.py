@@ -14,7 +14,13 @@ prompts prefill in float32, as they do in serving, and so does the first generat
 prefill step. A control runs the same way on float32 activations: what the method alone contributes (float32
 rounding of a differently batched forward).
 
-    python -m benchmarks.teacher_forcing [--prompts 64] [--tokens 128] [--no-control]
+--llama-server runs the same check on llama.cpp serving the same file (its activations quantized to 8 bits as
+ggml does, its KV cache in float16 as by default): one completion of one token per position, its prompt the
+chat prompt and the forced tokens so far (reused from its cache), scored from the logprobs it returns. There
+every position, the first included, comes from llama.cpp's own arithmetic.
+
+    python -m benchmarks.teacher_forcing [--prompts 64] [--tokens 128] [--no-control] [--activations int8,int16]
+                                         [--llama-server /tmp/llama-server]
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ import argparse
 import datetime
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the engine sets it (engine/openmp_policy.py)
 
+import httpx
 import torch
 
+from benchmarks.gguf_side_by_side import llama_server
 from benchmarks.quantized_linear import cpu_model
 from benchmarks.workloads import chat_prompts
 from pagedserve.engine.config import EngineConfig
@@ -37,10 +47,12 @@ from pagedserve.engine.core.sampler import SamplerOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduling.request import Request
 from pagedserve.engine.worker.model_loader import LoadedModel, load_model
+from pagedserve.engine.worker.weights.checkpoint import embedded_gguf_path
 from pagedserve.kernels import quantized
 
 WAVE = 15  # streams at once: their decode steps take integer activations (see FORCED_MAX_TOKENS)
 FORCED_MAX_TOKENS = 16
+PEER_TOP = 20  # logprobs llama-server returns a position: the forced token is nearly always among them
 Generated = list[tuple[list[int], list[float]]]  # per prompt: tokens, their logprobs
 
 
@@ -105,6 +117,31 @@ def forced_scores(
     return sampler.results
 
 
+def llama_server_scores(binary: str, prompts: list[list[int]], generated: Generated) -> list[tuple[bool, float]]:
+    """(top-1 agrees, |logprob difference|) at every generated position on llama-server serving the embedded file
+    (2 threads), fed the float32 path's tokens. A forced token outside its top PEER_TOP (printed) is scored at the
+    last of them: a bound on its logprob."""
+    results, outside = [], 0
+    with tempfile.TemporaryDirectory() as logs:
+        server = llama_server(binary, embedded_gguf_path(), threads=2, streams=1, log=Path(logs) / "llama.log")
+        with server, httpx.Client(timeout=60) as client:
+            server.wait_ready()
+            url = server.ready_url.rsplit("/", 1)[0] + "/completion"
+            for prompt, (ids, expected) in zip(prompts, generated, strict=True):
+                for position, token in enumerate(ids):
+                    body = {"prompt": prompt + ids[:position], "n_predict": 1, "n_probs": PEER_TOP,
+                            "temperature": 0, "cache_prompt": True}  # fmt: skip
+                    response = client.post(url, json=body)
+                    response.raise_for_status()
+                    top = response.json()["completion_probabilities"][0]["top_logprobs"]
+                    logprobs = {entry["id"]: entry["logprob"] for entry in top}
+                    outside += token not in logprobs
+                    logprob = logprobs.get(token, top[-1]["logprob"])
+                    results.append((top[0]["id"] == token, abs(logprob - expected[position])))
+    print(f"llama-server: {outside} of {len(results)} forced tokens outside its top {PEER_TOP}")
+    return results
+
+
 def summary(results: list[tuple[bool, float]]) -> tuple[float, float, float]:
     """(top-1 agreement, mean |difference|, largest |difference|)."""
     return (
@@ -121,6 +158,8 @@ def main() -> None:
     parser.add_argument("--min-prompt", type=int, default=20)
     parser.add_argument("--max-prompt", type=int, default=400)
     parser.add_argument("--no-control", action="store_true", help="skip the float32 control")
+    parser.add_argument("--activations", default="int8,int16", help="the integer paths to check (comma list)")
+    parser.add_argument("--llama-server", help="also check llama.cpp's server binary on the same file")
     args = parser.parse_args()
     started = datetime.datetime.now(datetime.timezone.utc)
     quantized.INTEGER_MAX_TOKENS.update(int8=FORCED_MAX_TOKENS, int16=FORCED_MAX_TOKENS)  # see the docstring
@@ -128,9 +167,13 @@ def main() -> None:
     prompts = chat_prompts(loaded.tokenizer, args.prompts, args.min_prompt, args.max_prompt)
     clock = time.perf_counter()
     generated = generate(loaded, prompts, args.tokens)
-    rows = {dtype: summary(forced_scores(loaded, prompts, generated, dtype)) for dtype in ("int8", "int16")}
+    paths = [dtype for dtype in args.activations.split(",") if dtype]
+    rows = {dtype: summary(forced_scores(loaded, prompts, generated, dtype)) for dtype in paths}
     if not args.no_control:
         rows["float32 (control)"] = summary(forced_scores(loaded, prompts, generated, "float32"))
+    if args.llama_server:
+        peer = llama_server_scores(args.llama_server, prompts, generated)
+        rows["llama-server (ggml's 8-bit activations)"] = summary(peer)
     positions = sum(len(ids) for ids, _ in generated)
     print(f"{cpu_model()}, {os.cpu_count()} cores; {started:%Y-%m-%d %H:%M} UTC; {time.perf_counter() - clock:.0f} s")
     print(f"embedded SmolLM2 (Q4_1 layers, Q8_0 head); {len(prompts)} chat prompts of {min(map(len, prompts))}-")
