@@ -12,6 +12,7 @@ reads the file's layout.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -73,6 +74,24 @@ def deinterleave_rows(blocks: torch.Tensor, layout: str) -> torch.Tensor:
         rows_first[..., start:stop] = pieces.permute(0, 3, 1, 2, 4).flatten(3)  # [G, 8 rows, B, stop - start]
         at += size
     return rows_first.reshape(rows, row_bytes).contiguous()
+
+
+def stored_rows(blocks: torch.Tensor, layout: str, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of blocks in an interleaved layout, in its format's row order: one gather of their bytes
+    (an embedding lookup in a tied head's table: deinterleaving their groups whole costs 10-100x as much)."""
+    row_bytes = blocks.shape[1]
+    byte_of_row = _row_order(layout, row_bytes).view(ROW_GROUP, row_bytes)
+    in_group = ids % ROW_GROUP
+    group_start = (ids - in_group) * row_bytes  # the group's first byte
+    return torch.take(blocks, byte_of_row.index_select(0, in_group) + group_start.unsqueeze(1))
+
+
+@functools.cache
+def _row_order(layout: str, row_bytes: int) -> torch.Tensor:
+    """For each byte of a group's rows in order, its position in the interleaved group: the inverse of where
+    interleave_reference (the oracle) puts them."""
+    in_order = torch.arange(ROW_GROUP * row_bytes).reshape(ROW_GROUP, row_bytes)
+    return interleave_reference(in_order, STORED[layout]).flatten().argsort()
 
 
 def as_stored(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str]:

@@ -38,7 +38,7 @@ from pagedserve.kernels.block_formats import (
     block_format,
 )
 from pagedserve.kernels.cpu_native import bound_kernel, native_function
-from pagedserve.kernels.interleaved_rows import ROW_GROUP, STORED, as_stored
+from pagedserve.kernels.interleaved_rows import STORED, as_stored, stored_rows
 from pagedserve.kernels.quantized_reference import dequantize, dequantize_rows, quantize
 
 __all__ = [
@@ -112,11 +112,7 @@ def lookup_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     ids = ids.to("cpu", torch.long)
     qtype = weight.qtype
     if qtype in STORED:
-        groups, group_of_id = torch.unique(ids // ROW_GROUP, return_inverse=True)
-        row_bytes = weight.blocks.shape[1]
-        interleaved = weight.blocks.view(-1, ROW_GROUP * row_bytes).index_select(0, groups).view(-1, row_bytes)
-        in_order, qtype = as_stored(interleaved, qtype)
-        rows = in_order.view(-1, ROW_GROUP, row_bytes)[group_of_id, ids % ROW_GROUP]
+        rows, qtype = stored_rows(weight.blocks, qtype, ids), STORED[qtype]
     else:
         rows = weight.blocks.index_select(0, ids)
     return (dequantize_kernel() or dequantize_rows)(rows, qtype)
